@@ -1,0 +1,1 @@
+"""dosa control plane: attaches the dataplane, installs jobs and flows, admits workers, counters."""

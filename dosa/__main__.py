@@ -1,0 +1,5 @@
+import sys
+
+from dosa.cli import main
+
+sys.exit(main())

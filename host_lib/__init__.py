@@ -1,0 +1,2 @@
+"""dosa host library: what runs on each training host (compress, quantize, packetize, transport,
+PyTorch hook)."""

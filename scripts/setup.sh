@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One-shot, idempotent set-up of everything dosa needs on a Debian 12 machine.
+# Safe to re-run: each step checks whether it is already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${DOSA_VENV:-$ROOT/.venv}
+PY=${DOSA_PYTHON:-python3.11}
+STAMP=$VENV/.dosa-setup-stamp
+
+die() { echo "setup: $*" >&2; exit 1; }
+log() { echo "setup: $*"; }
+
+[ "$(id -u)" = 0 ] || die "must run as root (it installs Debian packages and needs BPF privileges)"
+
+# 1. Debian packages --------------------------------------------------------
+PKGS="clang llvm python3-bpfcc libbpfcc bpfcc-tools linux-headers-amd64 iproute2 ethtool tcpdump bpftool iputils-ping"
+missing=""
+for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+if [ -n "$missing" ]; then
+    log "installing Debian packages:$missing"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq $missing >/dev/null
+fi
+
+# 2. Kernel headers for BCC (only when the running kernel has none) --------
+KDIR=/lib/modules/$(uname -r)
+if [ ! -e "$KDIR/build" ]; then
+    HDR=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -1)
+    COMMON=$(ls -d /usr/src/linux-headers-*-common 2>/dev/null | sort -V | tail -1)
+    [ -n "$HDR" ] && [ -n "$COMMON" ] || die "no Debian kernel headers under /usr/src"
+    log "linking $KDIR/build -> $HDR (the running kernel ships no headers)"
+    mkdir -p "$KDIR"
+    ln -sfn "$HDR" "$KDIR/build"
+    ln -sfn "$COMMON" "$KDIR/source"
+fi
+
+# 3. Virtual environment that can import bcc -------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+    log "creating virtual environment $VENV"
+    "$PY" -m venv "$VENV"
+fi
+SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+[ -e "$SITE/bcc" ] || ln -sfn /usr/lib/python3/dist-packages/bcc "$SITE/bcc"
+
+# 4. The project, editable, with extras; Cython extensions built ------------
+HASH=$(cat pyproject.toml setup.py $(git ls-files '*.pyx' '*.pxd' 2>/dev/null || true) 2>/dev/null | sha256sum | cut -c1-16)
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
+    log "installing python packages (torch pinned to the local CPU build 2.13.0)"
+    "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
+    "$VENV/bin/pip" install -q "torch==2.13.0"
+    "$VENV/bin/pip" install -q "cython>=3.0" "numpy>=1.26"
+    "$VENV/bin/pip" install -q --no-build-isolation -e ".[all]"
+    echo "$HASH" > "$STAMP"
+fi
+log "building Cython extensions in place"
+"$VENV/bin/python" setup.py -q build_ext --inplace >/dev/null
+"$VENV/bin/python" -c 'import bcc, numpy, scapy, torch' || die "import check failed"
+log "ready ($VENV)"

@@ -1,0 +1,1 @@
+"""dosa testbed: hosts, DPUs and a fabric in network namespaces on one machine; deployment."""
