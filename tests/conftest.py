@@ -1,0 +1,45 @@
+"""Shared fixtures. Tests are split by what they need: tests/unit (no privilege), tests/dataplane
+(BPF_PROG_TEST_RUN, root), tests/netns (namespaces and veth, root), tests/e2e (whole system, root).
+Tests marked ``root`` are skipped, with that reason, when not run as root; CI runs as root."""
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.geteuid() == 0:
+        return
+    skip = pytest.mark.skip(reason="needs root (BPF / network namespaces)")
+    for item in items:
+        if "root" in item.keywords:
+            item.add_marker(skip)
+
+
+def _ip(*args, check=True):
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+@pytest.fixture
+def netns_factory():
+    """Create uniquely named network namespaces (``dt-<hex>-<name>``); all are deleted at teardown,
+    also when the test fails."""
+    created: list[str] = []
+    tag = uuid.uuid4().hex[:6]
+
+    def make(name: str) -> str:
+        ns = f"dt{tag}{name}"[:15]
+        _ip("netns", "add", ns)
+        created.append(ns)
+        _ip("-n", ns, "link", "set", "lo", "up")
+        return ns
+
+    yield make
+    for ns in reversed(created):
+        # deleting a namespace destroys its veth ends (and their peers) and detaches XDP
+        _ip("netns", "pids", ns, check=False)
+        subprocess.run(f"ip netns pids {ns} | xargs -r kill -9", shell=True, check=False)
+        _ip("netns", "del", ns, check=False)
