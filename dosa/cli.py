@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "host_lib.cli",
     "dataplane.cli",
     "dpu_fw.cli",
+    "dpu_fw.offload_cli",
     "dosa.demo_cli",
 ]
 
