@@ -1,0 +1,120 @@
+"""dataplane/dosa_wire.h must mirror dosa/wire.py exactly: every struct dosa_hdr field at the same
+offset with the same size, signedness and declared C type, every #define and enum value equal to its
+Python counterpart, and nothing in either that the other lacks. The C side is measured by compiling
+a program against the header (so the preprocessor and compiler, not a regex, say what it means)."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dosa import wire
+
+pytestmark = pytest.mark.timeout(60)
+
+HEADER = Path(__file__).resolve().parents[2] / "dataplane" / "dosa_wire.h"
+
+
+def _c_names() -> tuple[list[str], list[str], list[str]]:
+    """(#define names, enum dosa_type member names, struct dosa_sparse_entry field names)."""
+    text = HEADER.read_text()
+    defines = [m for m in re.findall(r"^#define[ \t]+(DOSA_\w+)[ \t]+\S", text, re.M)]
+    enum_body = re.search(r"enum dosa_type\s*{(.*?)}", text, re.S).group(1)
+    enums = re.findall(r"(DOSA_T_\w+)\s*=", enum_body)
+    return defines, enums, ["index", "value"]
+
+
+def _python_value(cname: str) -> int:
+    """The wire.py value a C constant must equal, by the naming rule DOSA_X -> wire.X,
+    DOSA_T_X -> PacketType.X, DOSA_F_X -> Flags.X (DOSA_F_VALID_MASK -> FLAGS_VALID_MASK)."""
+    if cname.startswith("DOSA_T_"):
+        return int(wire.PacketType[cname[len("DOSA_T_"):]])
+    if cname == "DOSA_F_VALID_MASK":
+        return wire.FLAGS_VALID_MASK
+    if cname.startswith("DOSA_F_"):
+        return int(wire.Flags[cname[len("DOSA_F_"):]])
+    return int(getattr(wire, cname[len("DOSA_"):]))
+
+
+@pytest.fixture(scope="module")
+def c_layout(tmp_path_factory):
+    """Compile and run a program printing ``name value`` lines for every layout fact and constant."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc, "gcc is required to check dataplane/dosa_wire.h (apt-get install gcc)"
+    defines, enums, _ = _c_names()
+    lines = ["#include <stdio.h>", "#include <stddef.h>", f'#include "{HEADER}"',
+             "#define F(s, f) ((struct s *)0)->f",
+             "#define SIGNED(s, f) ((__typeof__(F(s, f)))-1 < 0)"]
+    # Declared C types from HEADER_FIELDS: a compile error if the header declares another type.
+    for name, _, ctype in wire.HEADER_FIELDS:
+        lines.append(f"_Static_assert(__builtin_types_compatible_p(__typeof__(F(dosa_hdr, {name})), "
+                     f"{ctype}), \"dosa_hdr.{name} is not {ctype}\");")
+    lines.append("int main(void) {")
+    lines.append('printf("sizeof.dosa_hdr %zu\\n", sizeof(struct dosa_hdr));')
+    lines.append('printf("alignof.dosa_hdr %zu\\n", _Alignof(struct dosa_hdr));')
+    lines.append('printf("sizeof.dosa_sparse_entry %zu\\n", sizeof(struct dosa_sparse_entry));')
+    for name, _, _ in wire.HEADER_FIELDS:
+        lines.append(f'printf("hdr.{name} %zu %zu %d\\n", offsetof(struct dosa_hdr, {name}), '
+                     f"sizeof(F(dosa_hdr, {name})), (int)SIGNED(dosa_hdr, {name}));")
+    for name in ("index", "value"):
+        lines.append(f'printf("entry.{name} %zu %zu\\n", offsetof(struct dosa_sparse_entry, {name}), '
+                     f"sizeof(F(dosa_sparse_entry, {name})));")
+    for c in defines + enums:
+        lines.append(f'printf("const.{c} %lld\\n", (long long)({c}));')
+    lines.append("return 0; }")
+    d = tmp_path_factory.mktemp("wireh")
+    src, exe = d / "layout.c", d / "layout"
+    src.write_text("\n".join(lines) + "\n")
+    r = subprocess.run([cc, "-std=gnu11", "-Wall", "-Werror", "-o", str(exe), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, f"dosa_wire.h does not match wire.HEADER_FIELDS / compile:\n{r.stderr}"
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    return {k: v.split() for k, v in (ln.split(" ", 1) for ln in out.splitlines())}
+
+
+def test_header_struct_size_and_alignment(c_layout):
+    assert int(c_layout["sizeof.dosa_hdr"][0]) == wire.HDR_LEN == wire.HEADER_DTYPE.itemsize
+    assert int(c_layout["alignof.dosa_hdr"][0]) == 4  # the spec promises 4-byte alignment
+
+
+@pytest.mark.parametrize("name", [n for n, _, _ in wire.HEADER_FIELDS])
+def test_header_field_offset_size_sign_match(c_layout, name):
+    off, size, signed = map(int, c_layout[f"hdr.{name}"])
+    py_dtype, py_off = wire.HEADER_DTYPE.fields[name]
+    assert (off, size) == (py_off, py_dtype.itemsize), f"dosa_hdr.{name} drifted"
+    assert bool(signed) == (py_dtype.kind == "i"), f"dosa_hdr.{name} signedness drifted"
+
+
+def test_sparse_entry_struct_matches(c_layout):
+    assert int(c_layout["sizeof.dosa_sparse_entry"][0]) == wire.SPARSE_ENTRY_LEN
+    for name in ("index", "value"):
+        off, size = map(int, c_layout[f"entry.{name}"])
+        dt, py_off = wire.SPARSE_ENTRY_DTYPE.fields[name]
+        assert (off, size) == (py_off, dt.itemsize)
+
+
+def test_every_c_constant_equals_python(c_layout):
+    consts = {k[len("const."):]: int(v[0]) for k, v in c_layout.items() if k.startswith("const.")}
+    assert consts, "no constants found in dosa_wire.h"
+    wrong = {c: (v, _python_value(c)) for c, v in consts.items() if v != _python_value(c)}
+    assert not wrong, f"C value vs wire.py value: {wrong}"
+
+
+def test_every_python_type_and_flag_is_in_c():
+    defines, enums, _ = _c_names()
+    assert {f"DOSA_T_{t.name}" for t in wire.PacketType} == set(enums)
+    assert {f"DOSA_F_{f.name}" for f in wire.Flags if f} <= set(defines)
+    for needed in ("MAGIC", "VERSION", "HDR_LEN", "MAX_SPARSE_ENTRIES", "MAX_DENSE_ENTRIES",
+                   "MAX_PACKETS_PER_CONTRIBUTION", "MAX_WORKERS", "MAX_PARTITIONS", "DPU_SENDER_ID",
+                   "SCALE_EXP_MIN", "SCALE_EXP_MAX"):
+        assert f"DOSA_{needed}" in defines
+
+
+def test_header_field_list_is_complete():
+    """Every field of struct dosa_hdr, in declaration order, is a HEADER_FIELDS entry (and back)."""
+    body = re.search(r"struct dosa_hdr\s*{(.*?)}", HEADER.read_text(), re.S).group(1)
+    c_fields = re.findall(r"(\w+)\s*;", body)
+    assert c_fields == [n for n, _, _ in wire.HEADER_FIELDS]
