@@ -12,6 +12,7 @@
 #define DOSA_SPARSE_ENTRY_LEN 8
 #define DOSA_DENSE_ENTRY_LEN 4
 #define DOSA_RETX_ENTRY_LEN 4
+#define DOSA_STATUS_ENTRY_LEN 4
 #define DOSA_MAX_SPARSE_ENTRIES 180
 #define DOSA_MAX_DENSE_ENTRIES 360
 #define DOSA_MAX_RETX_ENTRIES 360
@@ -29,6 +30,7 @@ enum dosa_type {
 	DOSA_T_DENSE_RESULT = 4,
 	DOSA_T_RETX_REQUEST = 5,
 	DOSA_T_HEARTBEAT = 6,
+	DOSA_T_STATUS = 7, /* DPU -> host only: never reaches the XDP program */
 };
 
 #define DOSA_F_LAST 0x0001

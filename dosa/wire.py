@@ -31,6 +31,7 @@ MAX_BODY = MAX_UDP_PAYLOAD - HDR_LEN  # 1440
 SPARSE_ENTRY_LEN = 8  # u32 index + s32 value
 DENSE_ENTRY_LEN = 4  # s32 value
 RETX_ENTRY_LEN = 4  # u32 missing result sequence number
+STATUS_ENTRY_LEN = 4  # u32 worker_id that has not delivered its contribution
 
 MAX_SPARSE_ENTRIES = MAX_BODY // SPARSE_ENTRY_LEN  # 180
 MAX_DENSE_ENTRIES = MAX_BODY // DENSE_ENTRY_LEN  # 360
@@ -55,6 +56,7 @@ class PacketType(enum.IntEnum):
     DENSE_RESULT = 4  # DPU -> host: count x s32 sums for [base, base + count)
     RETX_REQUEST = 5  # host -> DPU: resend result packets; count x u32 result seq (0 = all)
     HEARTBEAT = 6  # host -> DPU: liveness, no entries
+    STATUS = 7  # DPU -> host: answer to RETX_REQUEST for an incomplete round; count x u32 missing worker_id
 
 
 class Flags(enum.IntFlag):
@@ -75,6 +77,7 @@ ENTRY_LEN = {
     PacketType.DENSE_RESULT: DENSE_ENTRY_LEN,
     PacketType.RETX_REQUEST: RETX_ENTRY_LEN,
     PacketType.HEARTBEAT: 0,
+    PacketType.STATUS: STATUS_ENTRY_LEN,
 }
 MAX_ENTRIES = {
     t: (MAX_BODY // n if n else 0) for t, n in ENTRY_LEN.items()
@@ -226,7 +229,7 @@ def parse_packet(buf: bytes | memoryview) -> tuple[Header, np.ndarray]:
         dt = SPARSE_ENTRY_DTYPE
     elif ptype in (PacketType.DENSE_DATA, PacketType.DENSE_RESULT):
         dt = DENSE_ENTRY_DTYPE
-    elif ptype == PacketType.RETX_REQUEST:
+    elif ptype in (PacketType.RETX_REQUEST, PacketType.STATUS):
         dt = RETX_ENTRY_DTYPE
     else:
         return h, np.zeros(0, np.uint8)
