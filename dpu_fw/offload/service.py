@@ -1,0 +1,147 @@
+"""The augmentation service: runs on the DPU's cores, loads the dataset itself, augments batches
+ahead of time and streams them to its host.
+
+Requests on a connection (see protocol.py for framing):
+  ``info``  {dataset, split}                  -> ``info`` {samples, image_shape, classes, dtype}
+  ``epoch`` {dataset, split, batch_size, seed, epoch, start, augment, drop_last}
+            -> ``batch`` {epoch, index} + arrays x, y, ids   (one per batch, from ``start`` on)
+            -> ``end`` {epoch, batches}
+Anything wrong -> ``error`` {message}, then the connection is closed.
+
+Prefetch and backpressure: a producer thread fills a bounded queue of ``prefetch`` batches while the
+connection thread sends; when the host reads slowly, TCP's window fills, ``sendall`` blocks, the
+queue fills and the producer waits. At most ``prefetch`` batches (plus the socket buffers) are ever
+ahead of the host. The host names the first batch it wants (``start``), so a reconnect resumes
+exactly where it stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import queue
+import socket
+import threading
+
+from dosa.errors import DosaError
+
+from . import _server
+from .augment import AugmentConfig, make_pipeline
+from .datasets import load_dataset
+from .protocol import ConnectionClosed, FrameError, recv_message, send_message
+
+DEFAULT_PORT = 17801
+DEFAULT_PREFETCH = 8
+_DONE = object()
+
+
+def _field(meta: dict, key: str, kind, default=None):
+    v = meta.get(key, default)
+    if not isinstance(v, kind) or isinstance(v, bool) and kind is int:
+        raise FrameError(f"request field {key!r} must be {kind.__name__}, not {v!r}")
+    return v
+
+
+class AugmentServer(_server.Server):
+    name = "augment"
+
+    def __init__(self, address, prefetch: int = DEFAULT_PREFETCH, preload: tuple[str, ...] = ()):
+        if not 1 <= prefetch <= 1024:
+            raise DosaError(f"prefetch must be in [1, 1024], not {prefetch}")
+        self.prefetch = prefetch
+        for spec in preload:  # load before announcing READY, so the first epoch starts at once
+            load_dataset(spec)
+        super().__init__(address)
+
+    def serve_connection(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                msg = recv_message(sock)
+            except ConnectionClosed:
+                return
+            if msg.kind == "info":
+                ds = load_dataset(_field(msg.meta, "dataset", str))
+                split = ds.split(_field(msg.meta, "split", str, "train"))
+                send_message(sock, "info", {"samples": len(split), "image_shape": split.image_shape,
+                                            "classes": ds.classes, "dtype": "float32"})
+            elif msg.kind == "epoch":
+                self._stream_epoch(sock, msg.meta)
+            else:
+                raise FrameError(f"unknown request {msg.kind!r}")
+
+    def _stream_epoch(self, sock: socket.socket, meta: dict) -> None:
+        augment = meta.get("augment")
+        if augment is not None and not isinstance(augment, dict):
+            raise FrameError("request field 'augment' must be an object or null")
+        pipe = make_pipeline(_field(meta, "dataset", str), _field(meta, "split", str, "train"),
+                             _field(meta, "batch_size", int), _field(meta, "seed", int),
+                             AugmentConfig.from_dict(augment) if augment is not None else None,
+                             drop_last=_field(meta, "drop_last", bool, False))
+        epoch, start = _field(meta, "epoch", int), _field(meta, "start", int, 0)
+        if epoch < 0 or not 0 <= start <= len(pipe):
+            raise DosaError(f"epoch {epoch} / start batch {start} out of range "
+                            f"(the epoch has {len(pipe)} batches)")
+        ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.2)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def produce():
+            try:
+                for b in range(start, len(pipe)):
+                    if not put((b, pipe.batch(epoch, b))):
+                        return
+                put(_DONE)
+            except Exception as e:  # reported to the host as an error message
+                put(e)
+
+        producer = threading.Thread(target=produce, name="augment-producer", daemon=True)
+        producer.start()
+        try:
+            while True:
+                item = ready.get()
+                if item is _DONE:
+                    send_message(sock, "end", {"epoch": epoch, "batches": len(pipe)})
+                    return
+                if isinstance(item, Exception):
+                    raise DosaError(f"augmentation failed: {item}")
+                b, (x, y, ids) = item
+                send_message(sock, "batch", {"epoch": epoch, "index": b},
+                             {"x": x, "y": y, "ids": ids})
+        finally:
+            stop.set()
+            producer.join(timeout=5)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default=f"0.0.0.0:{DEFAULT_PORT}",
+                   help=f"HOST:PORT to listen on (port 0 picks a free one; default 0.0.0.0:{DEFAULT_PORT})")
+    p.add_argument("--cpus", default=None, help="pin to these CPUs (the DPU's cores), e.g. '1' or '2-3'")
+    p.add_argument("--prefetch", type=int, default=DEFAULT_PREFETCH,
+                   help=f"batches prepared ahead of the host (default {DEFAULT_PREFETCH})")
+    p.add_argument("--dataset", action="append", default=[],
+                   help="dataset spec to load before announcing READY (repeatable)")
+
+
+def serve(args) -> int:
+    _server.configure_logging()
+    cpus = _server.parse_cpus(args.cpus)
+    _server.pin(cpus)  # before loading data, so even that runs on the DPU's cores
+    server = AugmentServer(args.listen, prefetch=args.prefetch, preload=tuple(args.dataset))
+    return _server.run(server, cpus)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dpu_fw.offload.service",
+                                description="dosa augmentation service (runs on the DPU's cores)")
+    add_arguments(p)
+    return _server.main_guard(serve, p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""The validation service: the host pushes a model snapshot after an epoch and keeps training; the
+DPU rebuilds the model from its spec, evaluates it on the validation split and sends the metrics.
+
+Requests on a connection (framing in protocol.py); several may be in flight, answered in order:
+  ``evaluate`` {job, epoch, model: spec, dataset, batch_size} + the state dict as named arrays
+      -> ``metrics`` {job, epoch, loss, accuracy, samples, seconds}
+      -> ``failed``  {job, message}   (a bad snapshot fails that job only; the connection stays)
+
+``evaluate_snapshot`` is the single evaluation path: the service calls it, and so does a host that
+evaluates locally (fallback, or to check the service), hence equal snapshots give equal metrics.
+"""
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+import time
+
+import numpy as np
+
+from dosa.errors import DosaError
+
+from . import _server
+from .augment import make_pipeline
+from .models import build_model, check_spec, evaluate, load_arrays
+from .protocol import ConnectionClosed, FrameError, recv_message, send_message
+
+DEFAULT_PORT = 17802
+DEFAULT_BATCH = 256
+
+_cache_lock = threading.Lock()
+_val_batches: dict[tuple[str, int], list] = {}
+
+
+def validation_batches(dataset: str, batch_size: int = DEFAULT_BATCH) -> list:
+    """The normalized validation batches (computed once per dataset and batch size)."""
+    key = (dataset, batch_size)
+    with _cache_lock:
+        if key not in _val_batches:
+            pipe = make_pipeline(dataset, "val", batch_size, 0, None)
+            _val_batches[key] = [pipe.batch(0, b)[:2] for b in range(len(pipe))]
+        return _val_batches[key]
+
+
+def evaluate_snapshot(spec: dict, arrays: dict[str, np.ndarray], dataset: str,
+                      batch_size: int = DEFAULT_BATCH) -> dict:
+    """Rebuild the model from ``spec`` + ``arrays`` and evaluate it on the validation split."""
+    model = build_model(spec)
+    load_arrays(model, arrays)
+    return evaluate(model, validation_batches(dataset, batch_size))
+
+
+class ValidationServer(_server.Server):
+    name = "validate"
+
+    def __init__(self, address, threads: int = 1, preload: tuple[str, ...] = ()):
+        import torch  # noqa: F401 - fail at start, not at the first snapshot
+        torch.set_num_threads(threads)
+        for spec in preload:
+            validation_batches(spec)
+        super().__init__(address)
+
+    def serve_connection(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                msg = recv_message(sock)
+            except ConnectionClosed:
+                return
+            if msg.kind != "evaluate":
+                raise FrameError(f"unknown request {msg.kind!r}")
+            job = msg.meta.get("job")
+            if not isinstance(job, int):
+                raise FrameError("an evaluate request needs an integer 'job'")
+            started = time.perf_counter()
+            try:
+                batch = msg.meta.get("batch_size", DEFAULT_BATCH)
+                dataset = msg.meta.get("dataset")
+                if not isinstance(dataset, str) or not isinstance(batch, int) or batch < 1:
+                    raise DosaError("an evaluate request needs a dataset spec and a positive batch_size")
+                metrics = evaluate_snapshot(check_spec(msg.meta.get("model")), msg.arrays, dataset, batch)
+            except DosaError as e:
+                send_message(sock, "failed", {"job": job, "message": str(e)})
+                continue
+            metrics.update(job=job, epoch=msg.meta.get("epoch"),
+                           seconds=time.perf_counter() - started)
+            send_message(sock, "metrics", metrics)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default=f"0.0.0.0:{DEFAULT_PORT}",
+                   help=f"HOST:PORT to listen on (port 0 picks a free one; default 0.0.0.0:{DEFAULT_PORT})")
+    p.add_argument("--cpus", default=None, help="pin to these CPUs (the DPU's cores), e.g. '1' or '2-3'")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for evaluation (default 1)")
+    p.add_argument("--dataset", action="append", default=[],
+                   help="dataset spec whose validation split is prepared before READY (repeatable)")
+
+
+def serve(args) -> int:
+    _server.configure_logging()
+    cpus = _server.parse_cpus(args.cpus)
+    _server.pin(cpus)
+    if not 1 <= args.threads <= 256:
+        raise DosaError(f"--threads must be in [1, 256], not {args.threads}")
+    server = ValidationServer(args.listen, threads=args.threads, preload=tuple(args.dataset))
+    return _server.run(server, cpus)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dpu_fw.offload.validation",
+                                description="dosa validation service (runs on the DPU's cores)")
+    add_arguments(p)
+    return _server.main_guard(serve, p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
