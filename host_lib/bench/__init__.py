@@ -1,0 +1,7 @@
+"""Benchmarks of dosa against its baselines, side by side in one run (``dosa bench allreduce``).
+
+``gradients``: per-host gradients (synthetic with a controllable correlation, or saved from a model);
+``baselines``: torch.distributed Gloo dense allreduce and sparse allgather over the same inputs;
+``limit``: the link limit for dosa's bytes and this machine's raw UDP packet rate;
+``report``: JSON, a table of ratios, a PNG plot; ``runner``: ties them together (CLI options, run).
+"""
