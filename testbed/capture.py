@@ -1,0 +1,122 @@
+"""Capture the fabric: tcpdump on the bridge inside the fabric namespace.
+
+The bridge device sees every frame the bridge forwards because tcpdump puts it in promiscuous mode
+(the bridge then delivers a copy of each forwarded frame locally), and it sees each frame once --
+capturing on the ports instead would record every frame twice (in on one port, out on another).
+tcpdump is started, we wait until it reports "listening", the command runs, then SIGINT makes it
+flush (``-U`` writes packet by packet anyway) and print its counters, which we parse.
+"""
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import struct
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dosa.errors import DosaError
+
+from testbed.config import BRIDGE
+from testbed.ns import netns_cmd
+
+READY_TIMEOUT_S = 10.0
+
+
+@dataclass
+class CaptureStats:
+    path: str
+    packets: int  # records in the pcap file
+    captured: int | None  # tcpdump's own counters (None when it did not print them)
+    dropped_by_kernel: int | None
+
+
+class Tcpdump:
+    """A running tcpdump on the fabric bridge; use as a context manager or start()/stop()."""
+
+    def __init__(self, fabric_ns: str, out: str | os.PathLike, bpf_filter: list[str] | None = None,
+                 iface: str = BRIDGE):
+        self.ns, self.out, self.iface = fabric_ns, Path(out).resolve(), iface
+        self.filter = bpf_filter or []
+        self.proc: subprocess.Popen | None = None
+        self._err = b""
+
+    def start(self) -> "Tcpdump":
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        # -Z root: Debian's tcpdump otherwise drops to user tcpdump and cannot write root's files
+        argv = ["tcpdump", "-i", self.iface, "-n", "-U", "-s", "0", "-Z", "root", "-w", str(self.out),
+                *self.filter]
+        try:
+            self.proc = subprocess.Popen(netns_cmd(self.ns, argv), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         start_new_session=True)
+        except OSError as e:
+            raise DosaError(f"cannot start tcpdump: {e}") from None
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        fd = self.proc.stderr.fileno()
+        while b"listening on" not in self._err:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None:
+                self.stop()
+                msg = self._err.decode(errors="replace").strip().splitlines()
+                raise DosaError(f"tcpdump on {self.iface} in {self.ns} did not start: "
+                                f"{msg[-1] if msg else 'no output'}")
+            r, _, _ = select.select([fd], [], [], min(left, 0.2))
+            if r:
+                chunk = os.read(fd, 4096)
+                if not chunk and self.proc.poll() is not None:
+                    continue
+                self._err += chunk
+        return self
+
+    def stop(self) -> CaptureStats:
+        p = self.proc
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        if p is not None and p.stderr is not None:
+            self._err += p.stderr.read()
+            p.stderr.close()
+        text = self._err.decode(errors="replace")
+        cap = re.search(r"(\d+) packets? captured", text)
+        drop = re.search(r"(\d+) packets? dropped by kernel", text)
+        return CaptureStats(str(self.out), count_pcap_records(self.out),
+                            int(cap.group(1)) if cap else None, int(drop.group(1)) if drop else None)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def count_pcap_records(path: Path) -> int:
+    """Number of packet records in a classic pcap file (0 if it does not exist)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError:
+        return 0
+    if len(data) < 24:
+        return 0
+    magic = data[:4]
+    if magic in (b"\xd4\xc3\xb2\xa1", b"\x4d\x3c\xb2\xa1"):
+        endian = "<"
+    elif magic in (b"\xa1\xb2\xc3\xd4", b"\xa1\xb2\x3c\x4d"):
+        endian = ">"
+    else:
+        raise DosaError(f"{path} is not a pcap file")
+    off, n = 24, 0
+    while off + 16 <= len(data):
+        incl = struct.unpack_from(endian + "I", data, off + 8)[0]
+        off += 16 + incl
+        if off > len(data):
+            break  # truncated last record
+        n += 1
+    return n

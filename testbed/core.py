@@ -1,0 +1,417 @@
+"""``Testbed``: bring a namespace testbed up, describe it, run jobs on it, tear it down.
+
+The same class backs the CLI (``dosa testbed ...``), the tests and the benchmarks::
+
+    tb = Testbed(prefix="bench")
+    tb.up(hosts=4, dpus=1, link_rate="10gbit", cpu_split=True)
+    try:
+        tb.run([sys.executable, "train.py"], timeout=600).check()
+    finally:
+        tb.down()
+
+``down`` never relies on the state file alone: it also finds the testbed's namespaces by name
+(``<prefix>-h<i>|d<j>|fab``) and kills every process inside them, so it cleans up after a crashed
+``up`` or a stale state file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from dosa.errors import DosaError
+
+from testbed import config, impair, ns, state
+from testbed.capture import CaptureStats, Tcpdump
+from testbed.config import BRIDGE, NODE_IFACE, Layout, Node
+from testbed.runner import RankSpec, RunResult, run_ranks
+from testbed.services import CONTROL_PORT, DATA_PORT, DpuContext, ServiceSpec, dpu_services
+from testbed.shaping import Shaping
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODES = ("xdp", "userspace")
+BRIDGE_MAC = "02:d0:5a:80:00:00"
+
+
+class Testbed:
+    """A testbed identified by ``prefix`` (default: $DOSA_TESTBED_PREFIX or ``dosa``).
+
+    Args:
+        prefix: namespace/state prefix; tests use their own so a user's testbed is never touched.
+        subnet: IPv4 network of the fabric (default 10.77.0.0/24; never routed outside).
+        state_dir: where the state file and run directory live (default /run/dosa).
+        services: function DpuContext -> list[ServiceSpec] (default testbed.services.dpu_services).
+    """
+
+    def __init__(self, prefix: str | None = None, subnet: str | None = None,
+                 state_dir: str | os.PathLike | None = None, services=None):
+        self.prefix = config.check_prefix(prefix) if prefix else config.default_prefix()
+        self.subnet = subnet or os.environ.get(config.ENV_SUBNET, config.DEFAULT_SUBNET)
+        self.state_dir = Path(state_dir) if state_dir else config.state_dir()
+        self.state_path = config.state_file(self.prefix, self.state_dir)
+        self.run_dir = config.run_dir(self.prefix, self.state_dir)
+        self.pin_dir = config.pin_dir(self.prefix)
+        self.services = services or dpu_services
+
+    # ------------------------------------------------------------------ helpers
+    def __repr__(self):
+        return f"Testbed(prefix={self.prefix!r})"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.down()
+
+    def existing_namespaces(self) -> list[str]:
+        rx = config.ns_regex(self.prefix)
+        return sorted(n for n in ns.list_netns() if rx.match(n))
+
+    def load_state(self) -> dict | None:
+        return state.load(self.state_path)
+
+    def _require_state(self) -> dict:
+        st = self.load_state()
+        if not st or st.get("status") != "up":
+            raise DosaError(f"no testbed {self.prefix!r} is up; start one with "
+                            f"`dosa testbed up --hosts N --dpus M{self._prefix_flag()}`")
+        return st
+
+    def layout(self, st: dict | None = None) -> Layout:
+        st = st or self._require_state()
+        return Layout(self.prefix, st["hosts"], st["dpus"], st["subnet"])
+
+    def namespace(self, name: str) -> str:
+        """Namespace of ``h0``/``d1``/``fab`` (or a full namespace name of this testbed)."""
+        if name in ("fab", "fabric", config.fabric_ns(self.prefix)):
+            return config.fabric_ns(self.prefix)
+        if config.ns_regex(self.prefix).match(name):
+            return name
+        if config.ns_regex(self.prefix).match(f"{self.prefix}-{name}"):
+            return f"{self.prefix}-{name}"
+        raise DosaError(f"{name!r} is not a node of testbed {self.prefix!r} (use h0, d0, fab)")
+
+    # ------------------------------------------------------------------ up
+    def up(self, hosts: int, dpus: int, *, link_rate: str | None = None, delay: str | None = None,
+           loss=None, dup=None, reorder=None, shape_dpus: bool = False, cpu_split: bool = False,
+           mode: str = "xdp", services: bool = True, ready_timeout: float = 60.0,
+           data_port: int = DATA_PORT, control_port: int = CONTROL_PORT) -> dict:
+        """Build the topology (and start the DPU services unless ``services=False``); return
+        ``status()``. On any failure everything built so far is torn down before the error."""
+        ns.require_root("dosa testbed up")
+        layout = Layout(self.prefix, hosts, dpus, self.subnet)
+        shaping = Shaping.parse(link_rate, delay, loss, dup, reorder)
+        if mode not in MODES:
+            raise DosaError(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
+        host_cpus, dpu_cpus = split_cpus() if cpu_split else (None, None)
+        found = self.existing_namespaces()
+        if found or self.state_path.exists():
+            what = ", ".join(found[:4]) + (" ..." if len(found) > 4 else "") if found \
+                else f"state file {self.state_path}"
+            raise DosaError(f"testbed {self.prefix!r} is already up ({what}); run "
+                            f"`dosa testbed down{self._prefix_flag()}` first")
+        st = {"prefix": self.prefix, "subnet": self.subnet, "hosts": hosts, "dpus": dpus,
+              "shaping": shaping.to_json(), "shape_dpus": shape_dpus, "cpu_split": cpu_split,
+              "host_cpus": host_cpus, "dpu_cpus": dpu_cpus, "mode": mode, "services": services,
+              "data_port": data_port, "control_port": control_port,
+              "nodes": [n.__dict__ for n in layout.nodes], "fabric_ns": layout.fabric_ns,
+              "bridge": BRIDGE, "processes": [], "status": "building", "next_job_id": 1,
+              "created_at": time.time(), "created_by_pid": os.getpid(),
+              "run_dir": str(self.run_dir), "pin_dir": str(self.pin_dir)}
+        try:
+            state.save(self.state_path, st)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._build(layout, shaping, shape_dpus)
+            st["status"] = "up" if not services else "starting"
+            state.save(self.state_path, st)
+            if services and dpus:
+                self._start_services(layout, st, ready_timeout)
+            st["status"] = "up"
+            state.save(self.state_path, st)
+        except BaseException:
+            try:
+                self.down()
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
+            raise
+        return self.status()
+
+    def _prefix_flag(self) -> str:
+        return "" if self.prefix == config.DEFAULT_PREFIX else f" --prefix {self.prefix}"
+
+    def _build(self, layout: Layout, shaping: Shaping, shape_dpus: bool) -> None:
+        fab = layout.fabric_ns
+        ns.ip("netns", "add", fab)
+        ns.ip("link", "set", "lo", "up", ns=fab)
+        if shaping.netem_args():
+            impair.require_netem(fab)
+        impair_obj = impair.build(shaping, self.run_dir) if shaping.needs_impair else None
+        # no STP (ports forward at once), no multicast snooping (multicast is flooded to all ports,
+        # so a group works without IGMP queriers), no IPv6 link-local chatter in captures
+        ns.ip("link", "add", BRIDGE, "address", BRIDGE_MAC, "type", "bridge", "stp_state", "0", "forward_delay", "0",
+              "mcast_snooping", "0", ns=fab)
+        ns.ip("link", "set", BRIDGE, "addrgenmode", "none", ns=fab)
+        ns.ip("link", "set", BRIDGE, "up", ns=fab)
+        for n in layout.nodes:
+            ns.ip("netns", "add", n.namespace)
+            ns.ip("link", "set", "lo", "up", ns=n.namespace)
+            ns.ip("link", "add", n.fabric_port, "address", n.fabric_mac, "type", "veth", "peer",
+                  "name", NODE_IFACE, "address", n.mac, "netns", n.namespace, ns=fab)
+            ns.ip("link", "set", n.fabric_port, "addrgenmode", "none", ns=fab)
+            ns.ip("link", "set", n.fabric_port, "master", BRIDGE, "up", ns=fab)
+            ns.ip("link", "set", NODE_IFACE, "addrgenmode", "none", ns=n.namespace)
+            ns.ip("addr", "add", f"{n.address}/{layout.prefixlen}", "dev", NODE_IFACE, ns=n.namespace)
+            ns.ip("link", "set", NODE_IFACE, "up", ns=n.namespace)
+            ns.ip("route", "add", config.MULTICAST_NET, "dev", NODE_IFACE, ns=n.namespace)
+            if n.role == "dpu":
+                # XDP_TX/REDIRECT out of the DPU's eth0 lands on this veth end, which must run NAPI
+                # to receive it: GRO on gives it NAPI (docs: PLATFORM.md)
+                ns.sh(["ip", "netns", "exec", fab, "ethtool", "-K", n.fabric_port, "gro", "on"],
+                      what=f"enabling GRO on {n.fabric_port}")
+            if shaping.active and (n.role == "host" or shape_dpus):
+                for cmd in shaping.qdisc_commands(NODE_IFACE):
+                    ns.tc(*cmd, ns=n.namespace)
+                for cmd in shaping.qdisc_commands(n.fabric_port):
+                    ns.tc(*cmd, ns=fab)
+                if impair_obj:
+                    impair.attach(fab, n.fabric_port, impair_obj)
+
+    def _start_services(self, layout: Layout, st: dict, ready_timeout: float) -> None:
+        host_addrs = tuple(n.address for n in layout.host_nodes)
+        per_dpu: list[tuple[Node, list[ServiceSpec]]] = []
+        for n in layout.dpu_nodes:
+            ctx = DpuContext(index=n.index, iface=NODE_IFACE, address=n.address,
+                             host_addrs=host_addrs, mode=st["mode"],
+                             pin_dir=str(self.pin_dir / n.name), run_dir=str(self.run_dir),
+                             data_port=st["data_port"], control_port=st["control_port"])
+            per_dpu.append((n, list(self.services(ctx))))
+        depth = max((len(s) for _, s in per_dpu), default=0)
+        for k in range(depth):  # the k-th service of every DPU, then wait for all of them
+            started = []
+            for n, specs in per_dpu:
+                if k < len(specs):
+                    started.append(self._spawn_service(n, specs[k], st))
+            state.save(self.state_path, st)
+            self._wait_ready(started, ready_timeout)
+
+    def _spawn_service(self, node: Node, spec: ServiceSpec, st: dict):
+        log = self.run_dir / f"{node.name}-{spec.name}.log"
+        with open(log, "wb") as f:
+            try:
+                p = subprocess.Popen(ns.netns_cmd(node.namespace, spec.argv, st["dpu_cpus"]),
+                                     cwd=REPO_ROOT, env={**os.environ, **spec.env},
+                                     stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+            except OSError as e:
+                raise DosaError(f"cannot start {spec.name} on {node.name}: {e}") from None
+        rec = {"name": f"{node.name}-{spec.name}", "node": node.name, "namespace": node.namespace,
+               "pid": p.pid, "start_time": ns.proc_start_time(p.pid), "argv": spec.argv,
+               "log": str(log), "ready": list(spec.ready) if spec.ready else None}
+        st["processes"].append(rec)
+        return p, rec
+
+    def _wait_ready(self, started, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        waiting = list(started)
+        while waiting:
+            for p, rec in list(waiting):
+                if p.poll() is not None:
+                    tail = _tail(rec["log"])
+                    raise DosaError(f"{rec['name']} exited with status {p.returncode} while starting"
+                                    f" ({' '.join(rec['argv'][:6])} ...): {tail}; log {rec['log']}")
+                if _probe(p.pid, rec["ready"]):
+                    waiting.remove((p, rec))
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(r["name"] for _, r in waiting)
+                raise DosaError(f"{names} not ready after {timeout:g}s (probe "
+                                f"{waiting[0][1]['ready']}); see {waiting[0][1]['log']}")
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------ down
+    def down(self) -> dict:
+        """Remove everything of this testbed; idempotent. Returns what was removed."""
+        ns.require_root("dosa testbed down")
+        st = self.load_state() or {}
+        names = set(self.existing_namespaces())
+        names |= {n for n in [*(x.get("namespace") for x in st.get("nodes", [])), st.get("fabric_ns")]
+                  if n and ns.netns_exists(n)}
+        victims = {(r["pid"], r.get("start_time")) for r in st.get("processes", [])
+                   if isinstance(r.get("pid"), int)}
+        for n in names:
+            victims |= {(p, ns.proc_start_time(p)) for p in ns.netns_pids(n)}
+        victims = {(p, t) for p, t in victims if p != os.getpid()}
+        ns.kill_all(sorted(victims))
+        # hosts and DPUs first, the fabric last (deleting a node's namespace deletes its veth pair)
+        for n in sorted(names, key=lambda x: x.endswith("-fab")):
+            for p in ns.netns_pids(n):  # anything that slipped in since
+                ns.kill_all([(p, ns.proc_start_time(p))], grace=0.5)
+            ns.ip("netns", "del", n, check=False)
+        left = [n for n in names if ns.netns_exists(n)]
+        if left:
+            raise DosaError(f"could not delete namespace(s) {', '.join(sorted(left))}")
+        pins = self.pin_dir.exists()
+        if pins:
+            shutil.rmtree(self.pin_dir, ignore_errors=True)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        had_state = state.remove(self.state_path)
+        return {"prefix": self.prefix, "namespaces": sorted(names), "processes": len(victims),
+                "pin_dir_removed": pins, "state_file_removed": had_state}
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict:
+        """What is live: namespaces, interfaces, addresses, qdiscs, XDP, processes."""
+        st = self.load_state()
+        live = self.existing_namespaces()
+        out = {"prefix": self.prefix, "state_file": str(self.state_path), "up": False,
+               "status": st.get("status") if st else None, "namespaces": live}
+        if not st:
+            out["stale_namespaces"] = live  # namespaces without a state file: run `down`
+            return out
+        nodes = []
+        for n in st["nodes"]:
+            exists = ns.netns_exists(n["namespace"])
+            nodes.append({"name": f"{n['role'][0]}{n['index']}", "role": n["role"], "index": n["index"],
+                          "namespace": n["namespace"], "exists": exists, "address": n["address"],
+                          "cpus": st["host_cpus"] if n["role"] == "host" else st["dpu_cpus"],
+                          "interfaces": _interfaces(n["namespace"]) if exists else []})
+        fab = st["fabric_ns"]
+        fab_exists = ns.netns_exists(fab)
+        procs = [{**{k: r[k] for k in ("name", "node", "namespace", "pid", "argv", "log")},
+                  "alive": ns.alive(r["pid"], r.get("start_time"))} for r in st["processes"]]
+        cfg = {k: st[k] for k in ("hosts", "dpus", "subnet", "shaping", "shape_dpus", "cpu_split",
+                                  "host_cpus", "dpu_cpus", "mode", "services", "data_port",
+                                  "control_port")}
+        out.update({
+            "up": st.get("status") == "up" and fab_exists and all(x["exists"] for x in nodes),
+            "config": cfg, "nodes": nodes,
+            "fabric": {"namespace": fab, "exists": fab_exists, "bridge": st["bridge"],
+                       "interfaces": _interfaces(fab) if fab_exists else []},
+            "processes": procs,
+            "stale_namespaces": sorted(set(live) - {x["namespace"] for x in nodes} - {fab}),
+            "env": self.job_env(0, st) if st.get("status") == "up" else None,
+        })
+        return out
+
+    # ------------------------------------------------------------------ jobs
+    def job_env(self, rank: int, st: dict | None = None, job_id: int | None = None,
+                master_port: int = config.DEFAULT_MASTER_PORT) -> dict:
+        """The environment rank ``rank`` runs with (torchrun's variables + dosa's); see
+        docs/testbed.md."""
+        st = st or self._require_state()
+        lay = self.layout(st)
+        hosts, dpus = lay.host_nodes, lay.dpu_nodes
+        if not 0 <= rank < len(hosts):
+            raise DosaError(f"rank {rank} is outside 0..{len(hosts) - 1}")
+        env = {"RANK": rank, "WORLD_SIZE": len(hosts), "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1,
+               "GROUP_RANK": rank, "ROLE_RANK": rank, "ROLE_WORLD_SIZE": len(hosts),
+               "MASTER_ADDR": hosts[0].address, "MASTER_PORT": master_port,
+               "DOSA_TESTBED": self.prefix, "DOSA_HOST_ADDR": hosts[rank].address,
+               "DOSA_IFACE": NODE_IFACE, "DOSA_PORT": st["data_port"],
+               "DOSA_DPU_ADDRS": ",".join(d.address for d in dpus),
+               "DOSA_JOB_ID": job_id if job_id is not None else st.get("next_job_id", 1)}
+        if dpus:
+            env.update(DOSA_CONTROL_ADDR=dpus[0].address, DOSA_CONTROL_PORT=st["control_port"])
+        return {k: str(v) for k, v in env.items()}
+
+    def run(self, argv: list[str], timeout: float | None = None, env: dict | None = None,
+            log_dir: str | os.PathLike | None = None, echo=True,
+            master_port: int = config.DEFAULT_MASTER_PORT) -> RunResult:
+        """Run ``argv`` in every host namespace concurrently (rank i in ``<prefix>-h<i>``); see
+        testbed.runner. ``env`` adds to every rank's environment."""
+        st = self._require_state()
+        job_id = int(st.get("next_job_id", 1))
+        st["next_job_id"] = job_id % (2**32 - 1) + 1
+        state.save(self.state_path, st)
+        lay = self.layout(st)
+        if log_dir is None:
+            log_dir = Path(tempfile.gettempdir()) / "dosa-runs" / \
+                f"{self.prefix}-job{job_id}-{time.strftime('%Y%m%d-%H%M%S')}"
+        n_cpus = len(st["host_cpus"] or os.sched_getaffinity(0))
+        specs = []
+        for node in lay.host_nodes:
+            e = self.job_env(node.index, st, job_id, master_port)
+            # torchrun sets OMP_NUM_THREADS=1 when it starts several processes per machine; here
+            # all ranks share this machine's CPUs, so the same reasoning applies
+            if "OMP_NUM_THREADS" not in os.environ:
+                e["OMP_NUM_THREADS"] = str(max(1, n_cpus // len(lay.host_nodes)))
+            e.update({k: str(v) for k, v in (env or {}).items()})
+            specs.append(RankSpec(node.index, node.namespace, e, st["host_cpus"]))
+        return run_ranks(specs, list(argv), Path(log_dir), timeout=timeout, echo=echo)
+
+    def capture(self, out: str | os.PathLike, argv: list[str], timeout: float | None = None,
+                bpf_filter: list[str] | None = None, **run_kw) -> tuple[CaptureStats, RunResult]:
+        """Run ``argv`` like ``run`` while tcpdump records the fabric bridge into ``out``."""
+        st = self._require_state()
+        with Tcpdump(st["fabric_ns"], out, bpf_filter) as td:
+            try:
+                result = self.run(argv, timeout=timeout, **run_kw)
+            finally:
+                stats = td.stop()
+        return stats, result
+
+    def exec_in(self, node: str, argv: list[str], *, check: bool = False, timeout: float | None = None,
+                capture: bool = True, input: str | None = None, cpus=None,
+                env: dict | None = None) -> subprocess.CompletedProcess:
+        """Run ``argv`` inside node ``h0``/``d0``/``fab`` (or a full namespace name) and wait."""
+        argv = ns.netns_cmd(self.namespace(node), list(argv), cpus)
+        return subprocess.run(argv, check=check, timeout=timeout, capture_output=capture, text=True,
+                              input=input, env={**os.environ, **(env or {})})
+
+    def popen_in(self, node: str, argv: list[str], cpus=None, **popen_kw) -> subprocess.Popen:
+        """Start ``argv`` inside a node without waiting (the caller owns the process)."""
+        return subprocess.Popen(ns.netns_cmd(self.namespace(node), list(argv), cpus), **popen_kw)
+
+
+def split_cpus() -> tuple[list[int], list[int]]:
+    """Disjoint CPU sets for hosts (first half) and DPUs (second half) of the CPUs we may use."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise DosaError(f"--cpu-split needs at least 2 CPUs, this process may use {len(cpus)}")
+    half = len(cpus) // 2
+    return cpus[:half], cpus[half:]
+
+
+def _probe(pid: int, ready) -> bool:
+    if not ready:
+        return True
+    kind, arg = ready[0], ready[1]
+    if kind in ("tcp", "udp"):
+        return ns.listening(pid, int(arg), kind)
+    if kind == "file":
+        return os.path.exists(arg)
+    raise DosaError(f"unknown readiness probe {ready!r}")
+
+
+def _tail(path: str, lines: int = 1) -> str:
+    try:
+        text = Path(path).read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "no log"
+    return " | ".join(text[-lines:]) if text else "no output"
+
+
+def _interfaces(namespace: str) -> list[dict]:
+    out = []
+    qd: dict[str, list[str]] = {}
+    p = ns.sh(["tc", "-j", "-n", namespace, "qdisc", "show"], check=False)
+    if p.returncode == 0 and p.stdout.strip():
+        for q in json.loads(p.stdout):
+            qd.setdefault(q.get("dev"), []).append(q.get("kind"))
+    for link in ns.ip_json("-d", "addr", "show", ns=namespace):
+        if link.get("ifname") == "lo":
+            continue
+        xdp = link.get("xdp")
+        out.append({
+            "name": link.get("ifname"), "mac": link.get("address"), "mtu": link.get("mtu"),
+            "up": "UP" in link.get("flags", []), "master": link.get("master"),
+            "addresses": [f"{a['local']}/{a['prefixlen']}" for a in link.get("addr_info", [])
+                          if a.get("family") == "inet"],
+            "xdp": bool(xdp), "xdp_prog": (xdp or {}).get("prog", {}).get("id") if xdp else None,
+            "qdiscs": qd.get(link.get("ifname"), [])})
+    return out

@@ -1,0 +1,275 @@
+"""``dosa deploy``: install dosa on real hosts and DPUs over ssh and start the DPU side.
+
+The plan is a plain list of commands (``plan()``), built from an inventory (TOML, see
+testbed/examples/inventory.toml): ``--dry-run`` prints it, a real run executes it step by step and
+stops at the first failure. The DPU-side command lines come from testbed.services, the same function
+the namespace testbed uses, so the two cannot drift.
+
+Per machine (hosts and DPUs): create the remote directory, ship the checkout (rsync, or git clone /
+fetch), ``make setup``. Per DPU: stop what a previous deploy started (pid files), start each
+service detached (setsid nohup, log in /var/log/dosa, pid in /run/dosa), poll its readiness probe.
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+import shlex
+import subprocess
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from dosa.errors import DosaError
+
+from testbed.services import CONTROL_PORT, DATA_PORT, DpuContext, dpu_services
+
+EXAMPLE = Path(__file__).with_name("examples") / "inventory.toml"
+REMOTE_RUN = "/run/dosa"
+REMOTE_LOG = "/var/log/dosa"
+REMOTE_PIN = "/sys/fs/bpf/dosa"
+DEFAULT_SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+RSYNC_EXCLUDES = [".git", ".venv", "build", "*.so", "__pycache__", "*.egg-info"]
+READY_POLLS = 300  # x 0.1 s
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
+_IFACE_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
+_SSH_RE = re.compile(r"^[^\s;&|`$'\"<>]+$")
+
+
+@dataclass(frozen=True)
+class Machine:
+    role: str  # host | dpu
+    name: str
+    ssh: str
+    iface: str
+    addr: str
+
+
+@dataclass(frozen=True)
+class Inventory:
+    path: str
+    hosts: tuple[Machine, ...]
+    dpus: tuple[Machine, ...]
+    source: str
+    remote_dir: str
+    method: str
+    git_url: str | None
+    git_ref: str
+    ssh_options: tuple[str, ...]
+    data_port: int
+    control_port: int
+    mode: str
+
+
+@dataclass(frozen=True)
+class Step:
+    target: str  # machine name
+    what: str  # one-line description
+    argv: list[str]
+
+    def shell(self) -> str:
+        return shlex.join(self.argv)
+
+
+def load_inventory(path: str | Path) -> Inventory:
+    """Parse and validate an inventory; any problem is one DosaError naming the file and key."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise DosaError(f"inventory {path} does not exist (see {EXAMPLE})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise DosaError(f"inventory {path} is not valid TOML: {e}") from None
+
+    def bad(msg: str) -> DosaError:
+        return DosaError(f"inventory {path}: {msg}")
+
+    unknown = set(data) - {"deploy", "hosts", "dpus"}
+    if unknown:
+        raise bad(f"unknown section(s) {', '.join(sorted(unknown))} (expected deploy, hosts, dpus)")
+    d = data.get("deploy", {})
+    if not isinstance(d, dict):
+        raise bad("[deploy] must be a table")
+    known = {"source", "remote_dir", "method", "git_url", "git_ref", "ssh_options", "data_port",
+             "control_port", "mode"}
+    if set(d) - known:
+        raise bad(f"unknown key(s) in [deploy]: {', '.join(sorted(set(d) - known))}")
+
+    machines: dict[str, list[Machine]] = {}
+    names: set[str] = set()
+    for role, key in (("host", "hosts"), ("dpu", "dpus")):
+        items = data.get(key)
+        if not isinstance(items, list) or not items:
+            raise bad(f"needs at least one [[{key}]] entry")
+        out = []
+        for i, m in enumerate(items):
+            where = f"{key}[{i}]"
+            if not isinstance(m, dict):
+                raise bad(f"{where} must be a table")
+            missing = [k for k in ("name", "ssh", "iface", "addr") if k not in m]
+            if missing:
+                raise bad(f"{where} is missing {', '.join(missing)}")
+            extra = set(m) - {"name", "ssh", "iface", "addr"}
+            if extra:
+                raise bad(f"{where} has unknown key(s) {', '.join(sorted(extra))}")
+            if not isinstance(m["name"], str) or not _NAME_RE.match(m["name"]):
+                raise bad(f"{where}.name {m['name']!r} must be 1-32 letters, digits, _ . -")
+            if m["name"] in names:
+                raise bad(f"{where}.name {m['name']!r} is used twice")
+            names.add(m["name"])
+            if not isinstance(m["ssh"], str) or not _SSH_RE.match(m["ssh"]):
+                raise bad(f"{where}.ssh {m['ssh']!r} must be an ssh destination like root@host")
+            if not isinstance(m["iface"], str) or not _IFACE_RE.match(m["iface"]):
+                raise bad(f"{where}.iface {m['iface']!r} is not an interface name")
+            try:
+                addr = str(ipaddress.IPv4Address(m["addr"]))
+            except (ValueError, TypeError):
+                raise bad(f"{where}.addr {m['addr']!r} is not an IPv4 address") from None
+            out.append(Machine(role, m["name"], m["ssh"], m["iface"], addr))
+        machines[key] = out
+    addrs = [m.addr for ms in machines.values() for m in ms]
+    dup = {a for a in addrs if addrs.count(a) > 1}
+    if dup:
+        raise bad(f"address(es) {', '.join(sorted(dup))} used by more than one machine")
+
+    method = d.get("method", "rsync")
+    if method not in ("rsync", "git"):
+        raise bad(f"deploy.method must be rsync or git, not {method!r}")
+    git_url = d.get("git_url")
+    if method == "git" and not (isinstance(git_url, str) and git_url):
+        raise bad("deploy.method = \"git\" needs deploy.git_url")
+    remote_dir = d.get("remote_dir", "/opt/dosa")
+    if not isinstance(remote_dir, str) or not remote_dir.startswith("/") or remote_dir.rstrip("/") == "":
+        raise bad(f"deploy.remote_dir {remote_dir!r} must be an absolute path other than /")
+    ports = {}
+    for k, default in (("data_port", DATA_PORT), ("control_port", CONTROL_PORT)):
+        v = d.get(k, default)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65535:
+            raise bad(f"deploy.{k} must be a port number 1..65535, not {v!r}")
+        ports[k] = v
+    mode = d.get("mode", "xdp")
+    if mode not in ("xdp", "userspace"):
+        raise bad(f"deploy.mode must be xdp or userspace, not {mode!r}")
+    opts = d.get("ssh_options", DEFAULT_SSH_OPTIONS)
+    if not isinstance(opts, list) or not all(isinstance(o, str) for o in opts):
+        raise bad("deploy.ssh_options must be a list of strings")
+    source = d.get("source", ".")
+    if not isinstance(source, str):
+        raise bad("deploy.source must be a path")
+    # a relative source is relative to the inventory file's directory
+    src = (path.parent / source).resolve() if not Path(source).is_absolute() else Path(source)
+    return Inventory(str(path), tuple(machines["hosts"]), tuple(machines["dpus"]), str(src),
+                     remote_dir.rstrip("/"), method, git_url, str(d.get("git_ref", "main")),
+                     tuple(opts), ports["data_port"], ports["control_port"], mode)
+
+
+def _ssh(inv: Inventory, m: Machine, remote: str) -> list[str]:
+    return ["ssh", *inv.ssh_options, m.ssh, remote]
+
+
+def _ship(inv: Inventory, m: Machine) -> list[Step]:
+    d = inv.remote_dir
+    steps = [Step(m.name, f"create {d}", _ssh(inv, m, f"mkdir -p {shlex.quote(d)}"))]
+    if inv.method == "rsync":
+        excludes = [f"--exclude={x}" for x in RSYNC_EXCLUDES]
+        steps.append(Step(m.name, f"copy {inv.source} to {d}", [
+            "rsync", "-az", "--delete", *excludes, "-e", shlex.join(["ssh", *inv.ssh_options]),
+            inv.source.rstrip("/") + "/", f"{m.ssh}:{d}/"]))
+    else:
+        q, url, ref = shlex.quote(d), shlex.quote(inv.git_url), shlex.quote(inv.git_ref)
+        steps.append(Step(m.name, f"git checkout {inv.git_ref} in {d}", _ssh(inv, m, (
+            f"if [ -d {q}/.git ]; then git -C {q} fetch --quiet origin; "
+            f"else git clone --quiet {url} {q}; fi && git -C {q} checkout --quiet --force {ref}"))))
+    steps.append(Step(m.name, "make setup", _ssh(inv, m, f"cd {shlex.quote(d)} && make setup")))
+    return steps
+
+
+def dpu_context(inv: Inventory, j: int) -> DpuContext:
+    m = inv.dpus[j]
+    return DpuContext(index=j, iface=m.iface, address=m.addr,
+                      host_addrs=tuple(h.addr for h in inv.hosts), mode=inv.mode,
+                      pin_dir=f"{REMOTE_PIN}/{m.name}", run_dir=REMOTE_RUN,
+                      data_port=inv.data_port, control_port=inv.control_port,
+                      python=(f"{inv.remote_dir}/.venv/bin/python",))
+
+
+def _stop_steps(inv: Inventory, j: int) -> list[Step]:
+    m = inv.dpus[j]
+    steps = []
+    for svc in reversed(dpu_services(dpu_context(inv, j))):
+        pid = f"{REMOTE_RUN}/{svc.name}.pid"
+        steps.append(Step(m.name, f"stop {svc.name}", _ssh(inv, m, (
+            f"if [ -f {pid} ]; then kill $(cat {pid}) 2>/dev/null; rm -f {pid}; fi; true"))))
+    return steps
+
+
+def _start_steps(inv: Inventory, j: int) -> list[Step]:
+    m = inv.dpus[j]
+    steps = []
+    for svc in dpu_services(dpu_context(inv, j)):
+        pid, log = f"{REMOTE_RUN}/{svc.name}.pid", f"{REMOTE_LOG}/{svc.name}.log"
+        env = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in svc.env.items())
+        # a readiness file left by a previous run must not count as ready
+        clear = f"rm -f {shlex.quote(str(svc.ready[1]))} && " if svc.ready and svc.ready[0] == "file" else ""
+        steps.append(Step(m.name, f"start {svc.name}", _ssh(inv, m, (
+            f"mkdir -p {REMOTE_RUN} {REMOTE_LOG} && {clear}cd {shlex.quote(inv.remote_dir)} && "
+            f"{env + ' ' if env else ''}setsid nohup {shlex.join(svc.argv)} > {log} 2>&1 < /dev/null "
+            f"& echo $! > {pid}"))))
+        probe = _probe_shell(svc.ready)
+        if probe:
+            steps.append(Step(m.name, f"wait for {svc.name}", _ssh(inv, m, (
+                f"for i in $(seq {READY_POLLS}); do {probe} && exit 0; "
+                f"kill -0 $(cat {pid}) 2>/dev/null || break; sleep 0.1; done; "
+                f"echo '{svc.name} not ready, see {log}' >&2; tail -n 5 {log} >&2; exit 1"))))
+    return steps
+
+
+def _probe_shell(ready) -> str | None:
+    if not ready:
+        return None
+    kind, arg = ready
+    if kind == "tcp":
+        return f"ss -Hltn 'sport = :{int(arg)}' | grep -q ."
+    if kind == "udp":
+        return f"ss -Hlun 'sport = :{int(arg)}' | grep -q ."
+    if kind == "file":
+        return f"test -e {shlex.quote(str(arg))}"
+    raise DosaError(f"unknown readiness probe {ready!r}")
+
+
+def plan(inv: Inventory, stop_only: bool = False) -> list[Step]:
+    """Every command a deploy runs, in order."""
+    steps: list[Step] = []
+    if not stop_only:
+        seen = set()
+        for m in (*inv.dpus, *inv.hosts):
+            if m.ssh not in seen:  # one install per machine even if it has several roles
+                seen.add(m.ssh)
+                steps += _ship(inv, m)
+    for j in range(len(inv.dpus)):
+        steps += _stop_steps(inv, j)
+    if not stop_only:
+        for j in range(len(inv.dpus)):
+            steps += _start_steps(inv, j)
+    return steps
+
+
+def host_env(inv: Inventory, rank: int) -> dict[str, str]:
+    """The DOSA_* variables a training process on host ``rank`` needs (see docs/testbed.md)."""
+    h = inv.hosts[rank]
+    return {"DOSA_HOST_ADDR": h.addr, "DOSA_IFACE": h.iface, "DOSA_PORT": str(inv.data_port),
+            "DOSA_DPU_ADDRS": ",".join(d.addr for d in inv.dpus),
+            "DOSA_CONTROL_ADDR": inv.dpus[0].addr, "DOSA_CONTROL_PORT": str(inv.control_port)}
+
+
+def execute(steps: list[Step], echo=print) -> None:
+    for i, s in enumerate(steps, 1):
+        echo(f"[{i}/{len(steps)}] {s.target}: {s.what}")
+        try:
+            p = subprocess.run(s.argv)
+        except FileNotFoundError:
+            raise DosaError(f"{s.argv[0]} is not installed on this machine") from None
+        if p.returncode != 0:
+            raise DosaError(f"deploy step {i} ({s.what} on {s.target}) failed with exit status "
+                            f"{p.returncode}: {s.shell()}")

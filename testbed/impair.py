@@ -1,0 +1,46 @@
+"""Compile and attach testbed/impair.c (random loss / duplication) and probe for netem.
+
+The object is compiled once per ``up`` with the probabilities as constants (clang, ~0.2 s) and
+loaded by ``tc`` itself; the kernel keeps the program alive as long as the filter exists, and the
+filter dies with the namespace, so ``down`` has nothing extra to remove.
+"""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+from dosa.errors import DosaError
+
+from testbed import ns
+from testbed.shaping import Shaping
+
+SOURCE = Path(__file__).with_name("impair.c")
+
+
+def build(shaping: Shaping, out_dir: Path) -> Path:
+    out = out_dir / "impair.o"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    defines = [f"-D{k}={v}" for k, v in shaping.impair_defines().items()]
+    ns.sh(["clang", "-O2", "-target", "bpf", f"-I/usr/include/{platform.machine()}-linux-gnu",
+           *defines, "-c", str(SOURCE), "-o", str(out)], what="compiling testbed/impair.c")
+    return out
+
+
+def attach(namespace: str, dev: str, obj: Path) -> None:
+    """Both directions of the link through bridge port ``dev``: ingress = from the node,
+    egress = towards the node."""
+    ns.tc("qdisc", "add", "dev", dev, "clsact", ns=namespace)
+    ns.tc("filter", "add", "dev", dev, "ingress", "bpf", "da", "obj", str(obj), "sec", "tc_in",
+          ns=namespace)
+    ns.tc("filter", "add", "dev", dev, "egress", "bpf", "da", "obj", str(obj), "sec", "tc_out",
+          ns=namespace)
+
+
+def require_netem(namespace: str) -> None:
+    """Raise a clear error when the kernel has no netem qdisc (probed on the namespace's lo)."""
+    p = ns.sh(["tc", "-n", namespace, "qdisc", "add", "dev", "lo", "root", "netem"], check=False)
+    if p.returncode != 0:
+        raise DosaError("--delay and --reorder need the kernel's netem qdisc "
+                        "(CONFIG_NET_SCH_NETEM), which this kernel does not have; rate, loss and "
+                        "duplication work without it")
+    ns.sh(["tc", "-n", namespace, "qdisc", "del", "dev", "lo", "root"], check=False)

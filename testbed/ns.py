@@ -1,0 +1,137 @@
+"""Thin wrappers over ``ip``/``tc`` and /proc: run a command in a namespace, list namespaces and the
+processes inside them, kill processes safely. Shelling out to iproute2 (rather than pyroute2) keeps
+every step reproducible by hand: ``DOSA_TESTBED_TRACE=1`` prints each command."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from dosa.errors import DosaError, NeedsRoot
+
+TRACE = os.environ.get("DOSA_TESTBED_TRACE") == "1"
+
+
+def require_root(what: str) -> None:
+    if os.geteuid() != 0:
+        raise NeedsRoot(what)
+
+
+def sh(argv: list[str], check: bool = True, what: str | None = None) -> subprocess.CompletedProcess:
+    """Run a command, capture its output; on failure raise a DosaError quoting its stderr."""
+    if TRACE:
+        print("+ " + " ".join(argv), file=sys.stderr)
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise DosaError(f"{argv[0]} is not installed (run `make setup`)") from None
+    if check and p.returncode != 0:
+        err = (p.stderr or p.stdout).strip().splitlines()
+        raise DosaError(f"{what or ' '.join(argv)} failed: {err[-1] if err else f'exit {p.returncode}'}")
+    return p
+
+
+def ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    return sh(["ip", *(["-n", ns] if ns else []), *args], check=check)
+
+
+def ip_json(*args: str, ns: str | None = None):
+    p = sh(["ip", "-j", *(["-n", ns] if ns else []), *args], check=False)
+    if p.returncode != 0 or not p.stdout.strip():
+        return []
+    return json.loads(p.stdout)
+
+
+def tc(*args: str, ns: str) -> subprocess.CompletedProcess:
+    return sh(["tc", "-n", ns, *args])
+
+
+def list_netns() -> list[str]:
+    p = sh(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
+
+
+def netns_exists(name: str) -> bool:
+    return os.path.exists(f"/run/netns/{name}")
+
+
+def netns_pids(name: str) -> list[int]:
+    p = sh(["ip", "netns", "pids", name], check=False)
+    return [int(x) for x in p.stdout.split() if x.isdigit()]
+
+
+def netns_cmd(ns: str, argv: list[str], cpus: list[int] | None = None) -> list[str]:
+    """The argv that runs ``argv`` inside namespace ``ns``, optionally pinned to ``cpus``
+    (taskset is applied outside ``ip netns exec``; the affinity is inherited across exec)."""
+    pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
+    return [*pin, "ip", "netns", "exec", ns, *argv]
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat): with the pid it
+    identifies a process even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return int(data[data.rindex(")") + 2:].split()[19])
+
+
+def alive(pid: int, start_time: int | None = None) -> bool:
+    st = proc_start_time(pid)
+    if st is None:
+        return False
+    if start_time is not None and st != start_time:
+        return False  # the pid was reused by another process
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except OSError:
+        return False
+
+
+def kill_all(pids: list[tuple[int, int | None]], grace: float = 3.0) -> None:
+    """SIGTERM each (pid, start_time), poll until they are gone or ``grace`` passes, then SIGKILL."""
+    live = [(p, st) for p, st in pids if alive(p, st)]
+    for p, _ in live:
+        _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while live and time.monotonic() < deadline:
+        time.sleep(0.05)
+        live = [(p, st) for p, st in live if alive(p, st)]
+    for p, _ in live:
+        _signal(p, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while live and time.monotonic() < deadline:
+        time.sleep(0.02)
+        live = [(p, st) for p, st in live if alive(p, st)]
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def listening(pid: int, port: int, proto: str = "tcp") -> bool:
+    """True when a socket bound to ``port`` (TCP: in LISTEN state) exists in ``pid``'s network
+    namespace. Reads /proc/PID/net/{tcp,udp}[6], which shows the sockets of the namespace the process
+    lives in: a readiness probe that needs no setns and no connection attempt."""
+    hexport = f":{port:04X}"
+    for fam in ("", "6"):
+        try:
+            with open(f"/proc/{pid}/net/{proto}{fam}") as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if parts[1].endswith(hexport) and (proto != "tcp" or parts[3] == "0A"):
+                        return True
+        except (OSError, StopIteration):
+            continue
+    return False

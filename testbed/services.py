@@ -1,0 +1,67 @@
+"""The DPU-side commands a testbed (and ``dosa deploy``) starts on every DPU. This is the ONE place
+that knows their command lines: when ``dosa ctl serve`` or ``dosa dpu run`` change their flags,
+change them here. ``Testbed(services=...)`` accepts another function of the same signature.
+
+Each service is started with its working directory at the repository and its output in
+``<run dir>/<dpu>-<service>.log``; the testbed waits for its readiness probe by polling.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from dosa import wire
+
+#: TCP port of the control plane's join API on every DPU (DOSA_CONTROL_PORT).
+CONTROL_PORT = 17800
+DATA_PORT = wire.DEFAULT_PORT  # UDP port of the dosa protocol (DOSA_PORT)
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One long-running process on a DPU.
+
+    ready: ("tcp", port) -> a socket LISTENs on that port in the DPU's namespace;
+           ("udp", port) -> a UDP socket is bound to it; ("file", path) -> the file exists;
+           None -> started is ready.
+    """
+
+    name: str
+    argv: list[str]
+    ready: tuple | None = None
+    env: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DpuContext:
+    """What a DPU's services need to know. Paths are strings so deploy can use remote paths."""
+
+    index: int  # DPU index j
+    iface: str  # the DPU's network interface (eth0 in a namespace)
+    address: str  # the DPU's IPv4 address
+    host_addrs: tuple[str, ...]  # every host's address (for unicast fan-out of results)
+    mode: str  # "xdp" | "userspace"
+    pin_dir: str  # where BPF maps are pinned for this DPU
+    run_dir: str  # pid files, sockets
+    data_port: int = DATA_PORT
+    control_port: int = CONTROL_PORT
+    python: tuple[str, ...] = (sys.executable,)
+
+
+def dpu_services(ctx: DpuContext) -> list[ServiceSpec]:
+    """The control plane and the DPU worker of one DPU, in start order."""
+    dosa = [*ctx.python, "-m", "dosa"]
+    ctl = ServiceSpec(
+        name="ctl",
+        argv=[*dosa, "ctl", "serve", "--iface", ctx.iface, "--addr", ctx.address,
+              "--listen", f"{ctx.address}:{ctx.control_port}", "--port", str(ctx.data_port),
+              "--mode", ctx.mode, "--pin-dir", ctx.pin_dir],
+        ready=("tcp", ctx.control_port))
+    worker = ServiceSpec(
+        name="dpu",
+        argv=[*dosa, "dpu", "run", "--iface", ctx.iface, "--addr", ctx.address,
+              "--port", str(ctx.data_port), "--mode", ctx.mode, "--pin-dir", ctx.pin_dir,
+              "--control", f"{ctx.address}:{ctx.control_port}",
+              "--pid-file", f"{ctx.run_dir}/dpu{ctx.index}-worker.ready"],
+        ready=("file", f"{ctx.run_dir}/dpu{ctx.index}-worker.ready"))
+    return [ctl, worker]
