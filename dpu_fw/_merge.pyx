@@ -3,8 +3,7 @@
 applies, see docs/protocol.md *Rounds, buffers, duplicates*), result extraction and buffer clearing.
 
 Public wrappers with argument checks live in ``dpu_fw/userspace.py``; everything here runs without
-the GIL over typed memoryviews. Entries are read straight from the received packet buffer (big-endian
-on the wire) so a batch is never copied or converted in Python.
+the GIL over typed memoryviews; a batch costs one call, never one Python step per packet.
 """
 import numpy as np
 
@@ -30,27 +29,29 @@ cdef inline uint32_t be32(const uint8_t* p) noexcept nogil:
     return (<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | <uint32_t>p[3]
 
 
-def merge_batch(const uint8_t[:, ::1] data, const int64_t[::1] rows, const int32_t[::1] lp,
+def merge_batch(const uint32_t[::1] eidx, const int32_t[::1] evals, const int64_t[::1] eoff,
+                const int32_t[::1] lp,
                 const int64_t[::1] rnd, const int32_t[::1] wid, const int32_t[::1] seq,
                 const int32_t[::1] total, const int32_t[::1] count, const int32_t[::1] scale,
                 const int64_t[::1] lo, const int64_t[::1] hi,
                 int64_t[::1] base_round, uint8_t[:, :, :, ::1] seen, int32_t[:, :, ::1] delivered,
                 int32_t[:, :, ::1] totals, int32_t[:, ::1] done_workers, int32_t[:, ::1] scale_of,
-                uint8_t[:, ::1] complete, int64_t[:, :, ::1] buf, int nworkers, int hdr_len,
+                uint8_t[:, ::1] complete, int64_t[:, :, ::1] buf, int nworkers,
                 int8_t[::1] verdict, int64_t[:, ::1] completions):
-    """Apply the dataplane's merge rules to packets ``rows`` of ``data`` (headers already decoded
-    into the per-packet arrays, all SPARSE_DATA of this job with a valid, owned partition).
+    """Apply the dataplane's merge rules to a batch of SPARSE_DATA packets of one job, all for
+    partitions this DPU owns (``lp`` = local partition index), headers already validated and decoded
+    into the per-packet arrays. Packet i's entries are ``eidx/evals[eoff[i] : eoff[i] + count[i]]``
+    (the flat arrays of host_lib.packetizer.parse_batch).
 
     Returns the number of completions written to ``completions`` as (local partition, round) rows,
     in the order they happened. ``verdict[i]`` says what happened to packet i.
     """
-    cdef Py_ssize_t n = rows.shape[0], i, j
+    cdef Py_ssize_t n = lp.shape[0], i, j, e0
     cdef Py_ssize_t ncomp = 0
     cdef int l, par, w, s, c, t
     cdef int64_t r, b, idx, off
-    cdef const uint8_t* p
     cdef bint bad
-    if completions.shape[0] < n or verdict.shape[0] < n:
+    if eoff.shape[0] < n or completions.shape[0] < n or verdict.shape[0] < n:
         raise ValueError("output arrays shorter than the batch")
     with nogil:
         for i in range(n):
@@ -83,10 +84,10 @@ def merge_batch(const uint8_t[:, ::1] data, const int64_t[::1] rows, const int32
             if scale_of[l, par] != SCALE_UNSET and scale_of[l, par] != scale[i]:
                 verdict[i] = V_SCALE_MISMATCH
                 continue
-            p = &data[rows[i], hdr_len]
+            e0 = eoff[i]
             bad = False
-            for j in range(c):
-                idx = be32(p + 8 * j)
+            for j in range(e0, e0 + c):
+                idx = eidx[j]
                 if idx < lo[l] or idx >= hi[l]:
                     bad = True
                     break
@@ -94,9 +95,8 @@ def merge_batch(const uint8_t[:, ::1] data, const int64_t[::1] rows, const int32
                 verdict[i] = V_BAD_INDEX
                 continue
             off = lo[l]
-            for j in range(c):
-                idx = be32(p + 8 * j)
-                buf[l, par, idx - off] += <int32_t>be32(p + 8 * j + 4)
+            for j in range(e0, e0 + c):
+                buf[l, par, eidx[j] - off] += evals[j]
             verdict[i] = V_ACCEPTED
             scale_of[l, par] = scale[i]
             totals[l, par, w] = t

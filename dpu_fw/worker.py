@@ -1,0 +1,298 @@
+"""The DPU worker: turns completed partitions into SPARSE_RESULT packets for every host of a job,
+keeps them as the shadow copy, answers duplicates and RETX_REQUESTs, and advances rounds.
+
+Two modes, one protocol (docs/dpu_worker.md):
+
+* ``xdp``: the XDP dataplane merged the data already; completions come from its ring buffer, the
+  partition's sums are read zero-copy from the pinned mmap-ed buffer. Only what XDP passes (dups of a
+  complete round, RETX_REQUEST) reaches this worker's socket.
+* ``userspace``: this worker receives every packet with recvmmsg and merges it itself
+  (:class:`dpu_fw.userspace.MergeState`, Cython), applying the dataplane's rules.
+
+Round bookkeeping is the same in both (docs/protocol.md): when round r+1 of a partition completes,
+round r's buffer is cleared and base_round advanced to r+1 BEFORE r+1's result is emitted. The
+shadow copy of a round is its built result packets (a cache: it can always be rebuilt from the
+buffer, which is only cleared by that advance, so a restarted worker loses nothing).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import signal
+import threading
+import time
+
+import numpy as np
+
+from dosa import wire
+from dosa.errors import DosaError
+from dosa.wire import Flags, PacketBatch, PacketType
+from host_lib.packetizer import packetize_partition_result, parse_batch
+from host_lib.transport import JobConfig, UdpEndpoint, addr_arrays
+
+from . import _merge
+from .userspace import DUP_OF_COMPLETE, VERDICTS, MergeState, top_k_abs
+
+log = logging.getLogger("dosa.dpu")
+MODES = ("userspace", "xdp")
+
+
+def status_packet(job_id: int, partition: int, rnd: int, missing: list[int]) -> PacketBatch:
+    """A STATUS packet naming the workers a (round, partition) still waits for."""
+    h = wire.Header(type=PacketType.STATUS, job_id=job_id, worker_id=wire.DPU_SENDER_ID,
+                    partition=partition, round=rnd, seq=0, total=1)
+    return PacketBatch.from_packets([wire.build_packet(h, np.asarray(missing, np.uint32))])
+
+
+class JobRuntime:
+    """One job on this DPU: owned partitions, host addresses, shadow copies, and a state backend
+    (``MergeState`` in userspace mode, the dataplane maps in XDP mode)."""
+
+    def __init__(self, job: JobConfig, dpu_index: int, backend):
+        self.job = job
+        pmap = job.pmap
+        self.pmap = pmap
+        self.owned = pmap.owned_by(dpu_index)
+        self.local_of = np.full(pmap.num_partitions, -1, np.int64)
+        self.local_of[self.owned] = np.arange(len(self.owned))
+        self.lo = self.owned * pmap.partition_size
+        self.hi = np.minimum(self.lo + pmap.partition_size, pmap.numel)
+        self.k = job.gtopk_k(self.hi - self.lo)
+        self.host_ip, self.host_port = addr_arrays(job.hosts)
+        self.backend = backend
+        self.shadow: dict[tuple[int, int], tuple[PacketBatch, np.ndarray]] = {}
+        self.saturated = 0
+
+    def result(self, lp: int, rnd: int) -> PacketBatch:
+        """The result packets of (lp, rnd): from the shadow cache, or built from the buffer."""
+        hit = self.shadow.get((lp, rnd))
+        if hit is not None:
+            return hit[0]
+        buf = self.backend.buffer(lp, rnd)
+        idx, sums, nsat = _merge.extract_nonzero(buf, int(self.lo[lp]))
+        if nsat:
+            self.saturated += nsat
+            log.error("job %d partition %d round %d: %d sums outside s32 were saturated (hosts "
+                      "exceeded the clip bound)", self.job.job_id, self.owned[lp], rnd, nsat)
+        nz = idx
+        flags = 0
+        if self.job.mode == "gtopk":
+            idx, sums = top_k_abs(idx, sums, int(self.k[lp]))
+            flags = int(Flags.GTOPK)
+        batch = packetize_partition_result(
+            idx, sums, job_id=self.job.job_id, partition=int(self.owned[lp]), round=rnd,
+            scale_exp=self.backend.scale_exp(lp, rnd), flags=flags)
+        self.shadow[(lp, rnd)] = (batch, nz)
+        return batch
+
+    def complete(self, lp: int, rnd: int, ep: UdpEndpoint) -> None:
+        """Round ``rnd`` of local partition ``lp`` completed: advance if it was base+1, then emit."""
+        if rnd == self.backend.base_round(lp) + 1:
+            old = self.shadow.pop((lp, rnd - 1), None)
+            self.backend.advance(lp, rnd, None if old is None else old[1])
+            for key in [k for k in self.shadow if k[0] == lp and k[1] < rnd]:
+                del self.shadow[key]
+        batch = self.result(lp, rnd)
+        n, h = len(batch), len(self.host_ip)
+        rows = np.repeat(np.arange(n), h)  # packet-major: each packet to every host in turn
+        ep.send(batch, rows, np.tile(self.host_ip, n), np.tile(self.host_port, n))
+
+    def answer(self, lp: int, rnd: int, worker: int, ep: UdpEndpoint, seqs=None) -> str:
+        """Resend (some of) a complete round's result to one host, or tell it who is missing."""
+        if not self.backend.in_window(lp, rnd):
+            return "retx_too_old"
+        p = int(self.owned[lp])
+        if not self.backend.is_complete(lp, rnd):
+            st = status_packet(self.job.job_id, p, rnd, self.backend.missing_workers(lp, rnd))
+            ep.send(st, [0], self.host_ip[[worker]], self.host_port[[worker]])
+            return "status_sent"
+        batch = self.result(lp, rnd)
+        rows = np.arange(len(batch))
+        if seqs is not None and len(seqs):
+            rows = np.unique(np.asarray(seqs, np.int64))
+            rows = rows[rows < len(batch)]
+        if len(rows):
+            ep.send(batch, rows, np.full(len(rows), self.host_ip[worker]),
+                    np.full(len(rows), self.host_port[worker]))
+        return "retx_answered"
+
+
+class DpuWorker:
+    """Serves the jobs of one DPU (``dpu_index`` in each job's ``dpus`` list) in one mode."""
+
+    def __init__(self, jobs: list[JobConfig], dpu_index: int, *, mode: str = "userspace",
+                 bind: tuple[str, int] | None = None, state_dir: str | None = None,
+                 instance: str | None = None):
+        if mode not in MODES:
+            raise DosaError(f"mode must be one of {MODES}, got {mode!r}")
+        if not jobs:
+            raise DosaError("a DPU worker needs at least one job")
+        for j in jobs:
+            if not 0 <= dpu_index < len(j.dpus):
+                raise DosaError(f"job {j.job_id} has {len(j.dpus)} DPUs; index {dpu_index} is not one")
+        self.mode = mode
+        self.dpu_index = dpu_index
+        self.stats = collections.Counter()
+        self._stop = threading.Event()
+        self.maps = None
+        if bind is None:
+            bind = jobs[0].dpus[dpu_index]
+        self.jobs: dict[int, JobRuntime] = {}
+        if mode == "xdp":
+            from .xdp_backend import XdpBackend, open_maps
+
+            self.maps = open_maps(instance)
+        for j in jobs:
+            pmap = j.pmap
+            owned = pmap.owned_by(dpu_index)
+            if mode == "userspace":
+                lo = owned * pmap.partition_size
+                hi = np.minimum(lo + pmap.partition_size, pmap.numel)
+                sd = None if state_dir is None else f"{state_dir}/job{j.job_id}-dpu{dpu_index}"
+                backend = UserspaceBackend(MergeState(owned, lo, hi, j.workers, pmap.partition_size, sd))
+            else:
+                backend = XdpBackend(self.maps, j, owned)
+            self.jobs[j.job_id] = JobRuntime(j, dpu_index, backend)
+        self.ep = UdpEndpoint(bind)
+
+    # ------------------------------------------------------------------ main loop
+    def stop(self, *_):
+        self._stop.set()
+
+    def run(self, duration: float | None = None) -> None:
+        """Serve until stop() (or SIGTERM/SIGINT when run from the CLI) or ``duration`` seconds."""
+        end = None if duration is None else time.monotonic() + duration
+        while not self._stop.is_set() and (end is None or time.monotonic() < end):
+            self.step(0.05)
+        for rt in self.jobs.values():
+            rt.backend.flush()
+
+    def step(self, timeout: float) -> None:
+        if self.maps is not None:
+            for c in self.maps.poll_completions(0):
+                self._on_completion(c.job_id, c.partition, c.round)
+            timeout = min(timeout, 0.002)
+        batch, src_ip, src_port = self.ep.recv(timeout)
+        if len(batch):
+            self.handle(batch, src_ip, src_port)
+
+    def _on_completion(self, job_id: int, partition: int, rnd: int) -> None:
+        rt = self.jobs.get(job_id)
+        if rt is None or not 0 <= partition < len(rt.local_of) or rt.local_of[partition] < 0:
+            self.stats["completion_unknown"] += 1
+            return
+        rt.complete(int(rt.local_of[partition]), int(rnd), self.ep)
+        self.stats["completions"] += 1
+
+    # ------------------------------------------------------------------ one received batch
+    def handle(self, batch: PacketBatch, src_ip: np.ndarray, src_port: np.ndarray) -> None:
+        parsed = parse_batch(batch, on_error="drop")
+        self.stats["malformed"] += parsed.dropped
+        if not len(parsed):
+            return
+        h = parsed.headers
+        sip, sport = src_ip[parsed.kept], src_port[parsed.kept]
+        jobs = h["job_id"].astype(np.int64)
+        for job_id in np.unique(jobs).tolist():
+            rt = self.jobs.get(job_id)
+            sel = np.flatnonzero(jobs == job_id)
+            if rt is None:
+                self.stats["unknown_job"] += len(sel)
+                continue
+            self._handle_job(rt, parsed, sel, sip[sel], sport[sel])
+
+    def _handle_job(self, rt: JobRuntime, parsed, sel, sip, sport) -> None:
+        h = parsed.headers[sel]
+        t = h["type"].astype(np.int64)
+        w = h["worker_id"].astype(np.int64)
+        part = h["partition"].astype(np.int64)
+        known = w < rt.job.workers
+        wc = np.where(known, w, 0)
+        src_ok = known & (rt.host_ip[wc] == sip) & (rt.host_port[wc] == sport)
+        self.stats["unknown_worker"] += int((~known).sum())
+        self.stats["bad_source"] += int((known & ~src_ok).sum())
+        inside = part < rt.pmap.num_partitions
+        lp = np.where(inside, rt.local_of[np.where(inside, part, 0)], -1)
+        owned = src_ok & (lp >= 0)
+        self.stats["not_owner"] += int((src_ok & (lp < 0)).sum())
+        data = owned & (t == PacketType.SPARSE_DATA)
+        retx = owned & (t == PacketType.RETX_REQUEST)
+        other = owned & ~data & ~retx
+        self.stats["heartbeat"] += int((other & (t == PacketType.HEARTBEAT)).sum())
+        self.stats["unsupported_type"] += int((other & (t != PacketType.HEARTBEAT)).sum())
+        rnd = h["round"].astype(np.int64)
+        if data.any():
+            d = np.flatnonzero(data)
+            if self.mode == "userspace":
+                verdict, comps = rt.backend.state.merge(
+                    lp[d], rnd[d], w[d], h["seq"][d], h["total"][d], h["count"][d],
+                    h["scale_exp"][d], parsed.indices, parsed.values, parsed.offsets[sel[d]])
+                for v, n in zip(*np.unique(verdict, return_counts=True)):
+                    self.stats[VERDICTS[int(v)]] += int(n)
+                for clp, cr in comps:
+                    rt.complete(clp, cr, self.ep)
+                    self.stats["completions"] += 1
+                dup = d[verdict == DUP_OF_COMPLETE]
+            else:
+                dup = d  # XDP passes only duplicates of a complete round to the socket
+                self.stats["dup_of_complete"] += len(d)
+            # answer each (partition, round, worker) once per batch, from the shadow copy
+            if len(dup):
+                key = np.unique(np.stack([lp[dup], rnd[dup], w[dup]], 1), axis=0)
+                for klp, kr, kw in key.tolist():
+                    self.stats[rt.answer(klp, kr, kw, self.ep)] += 1
+        for i in np.flatnonzero(retx).tolist():
+            j = sel[i]
+            seqs = parsed.indices[parsed.offsets[j]:parsed.offsets[j + 1]]
+            self.stats["retx_request"] += 1
+            self.stats[rt.answer(int(lp[i]), int(rnd[i]), int(w[i]), self.ep, seqs)] += 1
+
+    def close(self) -> None:
+        self.ep.close()
+        for rt in self.jobs.values():
+            rt.backend.flush()
+        if self.maps is not None and hasattr(self.maps, "close"):
+            self.maps.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class UserspaceBackend:
+    """The state backend of userspace mode: a MergeState this process merges into."""
+
+    def __init__(self, state: MergeState):
+        self.state = state
+
+    def base_round(self, lp):
+        return int(self.state.base_round[lp])
+
+    def in_window(self, lp, rnd):
+        return self.state.in_window(lp, rnd)
+
+    def is_complete(self, lp, rnd):
+        return self.state.is_complete(lp, rnd)
+
+    def missing_workers(self, lp, rnd):
+        return self.state.missing_workers(lp, rnd)
+
+    def buffer(self, lp, rnd):
+        return self.state.buffer(lp, rnd)
+
+    def scale_exp(self, lp, rnd):
+        return int(self.state.scale_of[lp, rnd & 1])
+
+    def advance(self, lp, rnd, nonzero):
+        self.state.advance(lp, rnd, nonzero)
+
+    def flush(self):
+        self.state.flush()
+
+
+def install_signal_handlers(worker: DpuWorker) -> None:
+    signal.signal(signal.SIGTERM, worker.stop)
+    signal.signal(signal.SIGINT, worker.stop)
+

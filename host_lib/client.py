@@ -1,0 +1,376 @@
+"""AggregationClient: one host's side of a dosa allreduce through the DPU(s).
+
+A round: packetize this host's sparse (index, q) entries into SPARSE_DATA packets for every partition
+(host_lib.packetizer), send them to each partition's owning DPU through a bounded window of partitions
+in flight, collect the SPARSE_RESULT packets of every partition, retransmit on timeouts, and return
+the sums. Everything per packet is vectorized (one sendmmsg/recvmmsg per batch, numpy bookkeeping);
+Python loops only run over partitions whose timer fired.
+
+Loss recovery (docs/dpu_worker.md):
+* A partition whose result has not started after ``retx_interval`` s: resend this host's data packets
+  (RETRANSMIT flag; the DPU's dedup never adds them twice; a DPU whose round is already complete
+  answers from its shadow copy). From the second try on also a RETX_REQUEST(count=0), which a DPU
+  answers with the result, or, if the round is incomplete, with a STATUS naming missing workers.
+* A partition with some result packets: RETX_REQUEST for the missing result seqs.
+* No progress for ``timeout`` s: DosaError naming the incomplete partitions and, from the STATUS
+  answers, the workers the DPU is still waiting for. Never a hang.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import time
+
+import numpy as np
+
+from dosa import wire
+from dosa.errors import DosaError
+from dosa.wire import Flags, HEADER_DTYPE, PacketBatch, PacketType
+
+from .packetizer import packetize, parse_batch
+from .quantize import choose_scale_exp, clip_bound, dequantize, quantize
+from .transport import JobConfig, UdpEndpoint, addr_arrays
+
+RETX_ALL = np.zeros(0, np.uint32)
+
+
+class _TopK:
+    """Top-k with error feedback, the minimum the client needs for ``allreduce(array)``.
+
+    a = x + residual; send the k = ceil(density * n) largest |a| quantized; residual keeps the
+    rest, the quantization remainder and (gtopk) the entries the DPU did not return.
+    """
+
+    def __init__(self, numel: int, density: float, workers: int):
+        self.residual = np.zeros(numel, np.float32)
+        self.k = max(1, math.ceil(density * numel))
+        self.workers = workers
+
+    def encode(self, x: np.ndarray, scale_exp: int):
+        a = x + self.residual
+        if self.k >= len(a):
+            idx = np.arange(len(a), dtype=np.int64)
+        else:
+            idx = np.sort(np.argpartition(np.abs(a), len(a) - self.k)[len(a) - self.k:])
+        q, rem = quantize(a[idx], scale_exp, self.workers)
+        self.residual = a
+        self.residual[idx] = rem
+        nz = q != 0
+        return idx[nz].astype(np.uint32), q[nz], idx[~nz]
+
+    def fold_back(self, sent_idx, sent_q, scale_exp, result_idx):
+        """gtopk: our entries whose index did not come back go back into the residual."""
+        lost = ~np.isin(sent_idx, result_idx, assume_unique=True)
+        if lost.any():
+            self.residual[sent_idx[lost]] += dequantize(sent_q[lost], scale_exp)
+
+
+class AllreduceHandle:
+    """What ``allreduce_async`` returns: ``wait(timeout=None)`` gives the result or raises."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self._f = future
+
+    def done(self) -> bool:
+        return self._f.done()
+
+    def wait(self, timeout: float | None = None):
+        try:
+            return self._f.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise DosaError(f"allreduce still running after waiting {timeout} s") from None
+
+
+class AggregationClient:
+    """Joins a job and runs allreduce rounds through its DPUs.
+
+    Args:
+        job: the job's JobConfig (explicit), or None with ``control=(addr, port)`` to join through
+            the control plane's API.
+        worker_id: this host's rank (index into ``job.hosts``; its address is where it binds).
+        timeout: seconds without any progress after which a round fails with a DosaError naming
+            the missing workers.
+        retx_interval: seconds before a partition's packets (or missing results) are re-requested.
+        window: partitions in flight at once (bounds the DPU's and the socket's backlog).
+        density: fraction of entries ``allreduce(array)`` sends (default: the job's).
+    Example:
+        >>> with AggregationClient(job, worker_id=0) as c:
+        ...     total = c.allreduce(grad)          # float32 sum over all hosts
+    """
+
+    def __init__(self, job: JobConfig | None = None, *, worker_id: int, control=None,
+                 timeout: float = 10.0, retx_interval: float = 0.05, window: int = 256,
+                 density: float | None = None, bind: tuple[str, int] | None = None, numel=None):
+        if job is None:
+            if control is None:
+                raise DosaError("give either an explicit job config or control=(addr, port)")
+            job = join_via_control(control, worker_id, numel)
+        if not 0 <= worker_id < job.workers:
+            raise DosaError(f"worker_id {worker_id} outside 0..{job.workers - 1} for job {job.job_id}")
+        if timeout <= 0 or retx_interval <= 0 or window < 1:
+            raise DosaError("timeout and retx_interval must be positive and window at least 1")
+        self.job = job
+        self.worker_id = worker_id
+        self.pmap = job.pmap
+        self.timeout = float(timeout)
+        self.retx_interval = float(retx_interval)
+        self.window = int(window)
+        self.round = 0
+        self.scale_exp = job.scale_exp
+        self.initial_scale_exp = job.scale_exp
+        self.density = job.density if density is None else float(density)
+        self.ep = UdpEndpoint(bind or job.hosts[worker_id])
+        self.dpu_table = addr_arrays(job.dpus)
+        self._dpu_ip_of = {int(ip): d for d, ip in enumerate(self.dpu_table[0])}
+        self._encoder: _TopK | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.retransmissions = 0
+        self.last_missing: dict[int, list[int]] = {}
+
+    # ------------------------------------------------------------------ public API
+    @classmethod
+    def from_env(cls, numel: int, **kw) -> "AggregationClient":
+        """Join the job the DOSA_* environment names (``dosa testbed run`` sets it): the control
+        plane at DOSA_CONTROL_ADDR:DOSA_CONTROL_PORT, or an explicit DOSA_JOB_CONFIG file."""
+        rank = int(os.environ.get("RANK", "0"))
+        if os.environ.get("DOSA_JOB_CONFIG"):
+            return cls(JobConfig.load(os.environ["DOSA_JOB_CONFIG"]), worker_id=rank, **kw)
+        addr, port = os.environ.get("DOSA_CONTROL_ADDR"), os.environ.get("DOSA_CONTROL_PORT")
+        if not addr or not port:
+            raise DosaError("no dosa job in the environment: set DOSA_CONTROL_ADDR/DOSA_CONTROL_PORT "
+                            "or DOSA_JOB_CONFIG")
+        return cls(worker_id=rank, control=(addr, int(port)), numel=numel, **kw)
+
+    @property
+    def stats(self) -> dict:
+        return {"bytes_sent": self.ep.sent_bytes, "bytes_received": self.ep.recv_bytes,
+                "packets_sent": self.ep.sent_packets, "packets_received": self.ep.recv_packets,
+                "retransmissions": self.retransmissions, "rounds": self.round}
+
+    def allreduce(self, array: np.ndarray) -> np.ndarray:
+        """Sum ``array`` (float32, ``job.numel`` entries) over all hosts; returns float32.
+
+        Only the top ``density`` fraction (plus what error feedback carried over) is sent, quantized
+        with the round's scale exponent; what was not sent stays in this client's residual and goes
+        out in later rounds. The scale of round r > 0 is chosen from round r-1's result (the same on
+        every host), so all hosts agree without talking.
+        """
+        x = np.asarray(array, np.float32).reshape(-1)
+        if x.size != self.job.numel:
+            raise DosaError(f"allreduce of {x.size} entries, but job {self.job.job_id} has numel "
+                            f"{self.job.numel}")
+        if self._encoder is None:
+            self._encoder = _TopK(self.job.numel, self.density, self.job.workers)
+        s = self.scale_exp
+        idx, q, _ = self._encoder.encode(x, s)
+        ridx, sums = self.allreduce_sparse(idx, q, s)
+        if self.job.mode == "gtopk":
+            self._encoder.fold_back(idx, q, s, ridx)
+        out = np.zeros(self.job.numel, np.float32)
+        vals = dequantize(sums, s)
+        out[ridx] = vals
+        m = float(np.abs(vals).max()) if len(vals) else 0.0
+        if m > 0:
+            self.scale_exp = choose_scale_exp(m, self.job.workers)
+        return out
+
+    def allreduce_async(self, array: np.ndarray) -> AllreduceHandle:
+        """Start ``allreduce(array)`` in the background; rounds run in submission order."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dosa-allreduce")
+        return AllreduceHandle(self._pool.submit(self.allreduce, np.array(array, np.float32)))
+
+    def allreduce_sparse(self, indices, values, scale_exp: int) -> tuple[np.ndarray, np.ndarray]:
+        """One round with entries the caller compressed and quantized itself.
+
+        Args:
+            indices: sorted unique u32 positions; values: int32 (respecting clip_bound(workers)).
+            scale_exp: the round's exponent, identical on every host.
+        Returns:
+            (indices u32 sorted, sums int32): the non-zero sums (sum mode) or the k largest |sum|
+            per partition (gtopk mode).
+        """
+        values = np.asarray(values)
+        if len(values) and np.abs(values.astype(np.int64)).max() > clip_bound(self.job.workers):
+            raise DosaError(f"values exceed the clip bound {clip_bound(self.job.workers)} for "
+                            f"{self.job.workers} workers: the DPU's sum could overflow s32")
+        try:
+            batch = packetize(indices, values, self.pmap, job_id=self.job.job_id,
+                              worker_id=self.worker_id, round=self.round, scale_exp=int(scale_exp))
+        except ValueError as e:
+            raise DosaError(f"cannot packetize round {self.round}: {e}") from None
+        out = _Round(self, batch, int(scale_exp)).run()
+        self.round += 1
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.ep.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _Round:
+    """The state of one allreduce round on one host (vectorized over partitions and packets)."""
+
+    def __init__(self, client: AggregationClient, batch: PacketBatch, scale_exp: int):
+        self.c = client
+        self.batch = batch
+        self.scale_exp = scale_exp
+        P = client.pmap.num_partitions
+        self.P = P
+        hdr = batch.data.view(HEADER_DTYPE)[:, 0]
+        part = hdr["partition"].astype(np.int64)
+        self.pk_start = np.searchsorted(part, np.arange(P + 1))
+        self.owner = np.asarray(client.pmap.owner(np.arange(P)), np.int64)
+        self.sent = np.zeros(P, bool)
+        self.done = np.zeros(P, bool)
+        self.res_total = np.zeros(P, np.int64)
+        self.res_got = np.zeros(P, np.int64)
+        self.got = np.zeros((P, wire.MAX_PACKETS_PER_CONTRIBUTION), bool)
+        self.last_tx = np.zeros(P)
+        self.tries = np.zeros(P, np.int64)
+        self.chunks_idx: list[np.ndarray] = []
+        self.chunks_val: list[np.ndarray] = []
+        self.next = 0
+        self.missing: dict[int, list[int]] = {}
+
+    def run(self) -> tuple[np.ndarray, np.ndarray]:
+        c = self.c
+        last_progress = time.monotonic()
+        while not self.done.all():
+            self._fill_window()
+            b, sip, _ = c.ep.recv(min(c.retx_interval / 2, 0.02))
+            if len(b) and self._absorb(b, sip):
+                last_progress = time.monotonic()
+            now = time.monotonic()
+            if now - last_progress > c.timeout:
+                self._fail()
+            self._retransmit(now)
+        idx = np.concatenate(self.chunks_idx) if self.chunks_idx else np.zeros(0, np.uint32)
+        val = np.concatenate(self.chunks_val) if self.chunks_val else np.zeros(0, np.int32)
+        order = np.argsort(idx, kind="stable")
+        c.last_missing = {}
+        return idx[order], val[order]
+
+    def _fill_window(self) -> None:
+        inflight = int((self.sent & ~self.done).sum())
+        room = self.c.window - inflight
+        if room <= 0 or self.next >= self.P:
+            return
+        hi = min(self.P, self.next + room)
+        rows = np.arange(self.pk_start[self.next], self.pk_start[hi])
+        self.c.ep.send_to_table(self.batch, self.c.dpu_table, rows)
+        self.sent[self.next:hi] = True
+        self.last_tx[self.next:hi] = time.monotonic()
+        self.next = hi
+
+    def _absorb(self, b: PacketBatch, sip) -> bool:
+        """Take the new result packets of this round out of a received batch; True on progress."""
+        parsed = parse_batch(b, on_error="drop")
+        if not len(parsed):
+            return False
+        h = parsed.headers
+        t = h["type"]
+        mine = (h["job_id"] == self.c.job.job_id) & (h["round"] == self.c.round) \
+            & (h["partition"] < self.P) & (h["worker_id"] == wire.DPU_SENDER_ID)
+        for i in np.flatnonzero(mine & (t == PacketType.STATUS)).tolist():
+            ws = parsed.indices[parsed.offsets[i]:parsed.offsets[i + 1]]
+            self.missing[int(h["partition"][i])] = sorted(int(w) for w in ws)
+        res = np.flatnonzero(mine & (t == PacketType.SPARSE_RESULT)
+                             & (h["scale_exp"] == self.scale_exp))
+        if not len(res):
+            return False
+        p = h["partition"][res].astype(np.int64)
+        s = h["seq"][res].astype(np.int64)
+        key = p * wire.MAX_PACKETS_PER_CONTRIBUTION + s
+        key, first = np.unique(key, return_index=True)
+        res, p, s = res[first], p[first], s[first]
+        new = ~self.got[p, s] & ~self.done[p]
+        if not new.any():
+            return False
+        res, p, s = res[new], p[new], s[new]
+        self.got[p, s] = True
+        self.res_total[p] = h["total"][res]
+        np.add.at(self.res_got, p, 1)
+        cnt = np.diff(parsed.offsets)
+        take = np.zeros(len(cnt), bool)
+        take[res] = True
+        emask = np.repeat(take, cnt)
+        self.chunks_idx.append(parsed.indices[emask])
+        self.chunks_val.append(parsed.values[emask])
+        self.done |= (self.res_total > 0) & (self.res_got >= self.res_total)
+        return True
+
+    def _retransmit(self, now: float) -> None:
+        c = self.c
+        backoff = np.minimum(2.0 ** np.minimum(self.tries, 4), 8.0)
+        due = np.flatnonzero(self.sent & ~self.done & (now - self.last_tx > c.retx_interval * backoff))
+        if not len(due):
+            return
+        rows, reqs = [], []
+        for p in due.tolist():
+            if self.res_got[p] == 0:
+                rows.append(np.arange(self.pk_start[p], self.pk_start[p + 1]))
+                if self.tries[p] >= 1:
+                    reqs.append(self._retx_request(p, RETX_ALL))
+            else:
+                have = self.got[p, :self.res_total[p]]
+                reqs.append(self._retx_request(p, np.flatnonzero(~have).astype(np.uint32)[:wire.MAX_RETX_ENTRIES]))
+        if rows:
+            r = np.concatenate(rows)
+            hdr = self.batch.data.view(HEADER_DTYPE)[:, 0]
+            hdr["flags"][r] = hdr["flags"][r] | int(Flags.RETRANSMIT)
+            c.ep.send_to_table(self.batch, c.dpu_table, r)
+            c.retransmissions += len(r)
+        if reqs:
+            rb = PacketBatch.from_packets([q for q, _ in reqs], dest=[d for _, d in reqs])
+            c.ep.send_to_table(rb, c.dpu_table)
+            c.retransmissions += len(reqs)
+        self.last_tx[due] = now
+        self.tries[due] += 1
+
+    def _retx_request(self, p: int, seqs: np.ndarray) -> tuple[bytes, int]:
+        h = wire.Header(type=PacketType.RETX_REQUEST, job_id=self.c.job.job_id,
+                        worker_id=self.c.worker_id, partition=p, round=self.c.round, seq=0, total=1)
+        return wire.build_packet(h, seqs), int(self.owner[p])
+
+    def _fail(self):
+        c = self.c
+        stuck = np.flatnonzero(self.sent & ~self.done)
+        missing = sorted({w for p in stuck.tolist() for w in self.missing.get(p, [])})
+        c.last_missing = {int(p): self.missing.get(int(p), []) for p in stuck}
+        shown = ", ".join(str(p) for p in stuck[:8].tolist()) + (" ..." if len(stuck) > 8 else "")
+        if missing:
+            who = f"the DPU is still waiting for worker(s) {missing}"
+        else:
+            dpus = sorted({int(self.owner[p]) for p in stuck.tolist()})
+            who = f"no answer from DPU(s) {dpus} ({', '.join(f'{a}:{b}' for a, b in (c.job.dpus[d] for d in dpus))})"
+        raise MissingWorkersError(
+            f"allreduce round {c.round} of job {c.job.job_id} made no progress for {c.timeout:g} s: "
+            f"{len(stuck)} partition(s) incomplete ({shown}); {who}", missing)
+
+
+class MissingWorkersError(DosaError):
+    """A round timed out; ``missing`` lists the worker ids the DPU(s) reported as not delivered."""
+
+    def __init__(self, message: str, missing: list[int]):
+        super().__init__(message)
+        self.missing = missing
+
+
+def join_via_control(control, worker_id: int, numel) -> JobConfig:
+    """Ask the control plane's join API for the job's config (control/ provides the client)."""
+    try:
+        from control.api import join  # type: ignore
+    except ImportError:
+        raise DosaError("the control plane's join API (control.api) is not available; "
+                        "give the job config explicitly") from None
+    return join(control, worker_id=worker_id, numel=numel)
