@@ -43,12 +43,15 @@ class Tcpdump:
         self.filter = bpf_filter or []
         self.proc: subprocess.Popen | None = None
         self._err = b""
+        self._stats: CaptureStats | None = None
 
     def start(self) -> "Tcpdump":
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        # -Z root: Debian's tcpdump otherwise drops to user tcpdump and cannot write root's files
-        argv = ["tcpdump", "-i", self.iface, "-n", "-U", "-s", "0", "-Z", "root", "-w", str(self.out),
-                *self.filter]
+        # -Z root: Debian's tcpdump otherwise drops to user tcpdump and cannot write root's files.
+        # --immediate-mode: without it packets wait in a TPACKET_V3 block that is never handed
+        # over when a short command ends right away (a capture of 0 packets); -U: write each one.
+        argv = ["tcpdump", "-i", self.iface, "-n", "-U", "--immediate-mode", "-s", "0", "-Z", "root",
+                "-w", str(self.out), *self.filter]
         try:
             self.proc = subprocess.Popen(netns_cmd(self.ns, argv), stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -73,6 +76,9 @@ class Tcpdump:
         return self
 
     def stop(self) -> CaptureStats:
+        """Stop tcpdump (SIGINT: it flushes and prints its counters); idempotent."""
+        if self._stats is not None:
+            return self._stats
         p = self.proc
         if p is not None and p.poll() is None:
             p.send_signal(signal.SIGINT)
@@ -87,8 +93,10 @@ class Tcpdump:
         text = self._err.decode(errors="replace")
         cap = re.search(r"(\d+) packets? captured", text)
         drop = re.search(r"(\d+) packets? dropped by kernel", text)
-        return CaptureStats(str(self.out), count_pcap_records(self.out),
-                            int(cap.group(1)) if cap else None, int(drop.group(1)) if drop else None)
+        self._stats = CaptureStats(str(self.out), count_pcap_records(self.out),
+                                   int(cap.group(1)) if cap else None,
+                                   int(drop.group(1)) if drop else None)
+        return self._stats
 
     def __enter__(self):
         return self.start()
