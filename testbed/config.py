@@ -22,6 +22,7 @@ DEFAULT_SUBNET = "10.77.0.0/24"
 ENV_PREFIX = "DOSA_TESTBED_PREFIX"
 ENV_SUBNET = "DOSA_TESTBED_SUBNET"
 ENV_STATE_DIR = "DOSA_TESTBED_STATE_DIR"
+ENV_SERVICES = "DOSA_TESTBED_SERVICES"  # module:function replacing testbed.services.dpu_services
 
 STATE_DIR = "/run/dosa"
 BPF_ROOT = "/sys/fs/bpf"

@@ -55,7 +55,7 @@ class Testbed:
         self.state_path = config.state_file(self.prefix, self.state_dir)
         self.run_dir = config.run_dir(self.prefix, self.state_dir)
         self.pin_dir = config.pin_dir(self.prefix)
-        self.services = services or dpu_services
+        self.services = services or _services_from_env() or dpu_services
 
     # ------------------------------------------------------------------ helpers
     def __repr__(self):
@@ -340,6 +340,11 @@ class Testbed:
             # all ranks share this machine's CPUs, so the same reasoning applies
             if "OMP_NUM_THREADS" not in os.environ:
                 e["OMP_NUM_THREADS"] = str(max(1, n_cpus // len(lay.host_nodes)))
+            # Gloo/TensorPipe pick their interface from the hostname, which in a namespace
+            # resolves to loopback: point them at the fabric interface
+            for var in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
+                if var not in os.environ:
+                    e[var] = NODE_IFACE
             e.update({k: str(v) for k, v in (env or {}).items()})
             specs.append(RankSpec(node.index, node.namespace, e, st["host_cpus"]))
         return run_ranks(specs, list(argv), Path(log_dir), timeout=timeout, echo=echo)
@@ -366,6 +371,20 @@ class Testbed:
     def popen_in(self, node: str, argv: list[str], cpus=None, **popen_kw) -> subprocess.Popen:
         """Start ``argv`` inside a node without waiting (the caller owns the process)."""
         return subprocess.Popen(ns.netns_cmd(self.namespace(node), list(argv), cpus), **popen_kw)
+
+
+def _services_from_env():
+    """``DOSA_TESTBED_SERVICES=module:function`` replaces testbed.services.dpu_services (the tests
+    use it to supervise stand-in processes; a user can start a different DPU side)."""
+    spec = os.environ.get(config.ENV_SERVICES)
+    if not spec:
+        return None
+    mod, _, fn = spec.partition(":")
+    try:
+        import importlib
+        return getattr(importlib.import_module(mod), fn or "dpu_services")
+    except (ImportError, AttributeError) as e:
+        raise DosaError(f"{config.ENV_SERVICES}={spec!r} does not name a function: {e}") from None
 
 
 def split_cpus() -> tuple[list[int], list[int]]:
