@@ -66,15 +66,28 @@ class DosaRetxEntry(Packet):
         return b"", s
 
 
+class DosaStatusEntry(Packet):
+    """One u32 worker_id the DPU is still waiting for (STATUS)."""
+
+    name = "DosaStatusEntry"
+    fields_desc = [IntField("worker_id", 0)]
+
+    def extract_padding(self, s):
+        return b"", s
+
+
 ENTRY_CLASSES = {
     wire.PacketType.SPARSE_DATA: DosaSparseEntry,
     wire.PacketType.SPARSE_RESULT: DosaSparseEntry,
     wire.PacketType.DENSE_DATA: DosaDenseEntry,
     wire.PacketType.DENSE_RESULT: DosaDenseEntry,
     wire.PacketType.RETX_REQUEST: DosaRetxEntry,
+    wire.PacketType.STATUS: DosaStatusEntry,
 }
-# Every type with entries has a class, and each class is exactly one wire entry long.
-assert {t for t, n in wire.ENTRY_LEN.items() if n} == set(ENTRY_CLASSES)
+# Every type with entries has a class, and each class is exactly one wire entry long: a new packet
+# type in wire.py fails this import until it gets its entry class here.
+assert {t for t, n in wire.ENTRY_LEN.items() if n} == set(ENTRY_CLASSES), "entry class missing"
+assert all(len(c()) == wire.ENTRY_LEN[t] for t, c in ENTRY_CLASSES.items())
 
 
 def _entry(s: bytes, _parent=None) -> Packet:
@@ -116,7 +129,8 @@ class Dosa(Packet):
 
     name = "DOSA"
     fields_desc = [_header_field(n, t) for n, t, _ in wire.HEADER_FIELDS] + [
-        PacketListField("entries", [], _entry, count_from=lambda pkt: pkt.count),
+        PacketListField("entries", [], _entry, count_from=lambda pkt: pkt.count,
+                        max_count=max(wire.MAX_ENTRIES.values())),
     ]
 
     def extract_padding(self, s):
