@@ -1,0 +1,91 @@
+/* dosa dataplane state: the structs the XDP program and user space share through BPF maps.
+ * dataplane/layout.py mirrors each struct with ctypes; tests/dataplane/test_layout.py checks
+ * the sizes and offsets against the ones BCC compiled (so the two cannot drift).
+ * See docs/dataplane.md for the map layouts and why they are shaped this way. */
+#ifndef DOSA_STATE_H
+#define DOSA_STATE_H
+
+#include <linux/types.h>
+
+/* Sizes fixed at load time (the loader passes -D...; defaults here). */
+#ifndef DOSA_POOL_SLOTS
+#define DOSA_POOL_SLOTS (1u << 22) /* s64 aggregation slots: 32 MiB */
+#endif
+#ifndef DOSA_PSTATE_SLOTS
+#define DOSA_PSTATE_SLOTS 65536 /* owned (job, partition) states */
+#endif
+#ifndef DOSA_WSTATE_SLOTS
+#define DOSA_WSTATE_SLOTS 262144 /* (job, owned partition, parity, worker) states */
+#endif
+#ifndef DOSA_MAX_JOBS
+#define DOSA_MAX_JOBS 64
+#endif
+#ifndef DOSA_MAX_FLOWS
+#define DOSA_MAX_FLOWS 4096 /* (job, worker) flows */
+#endif
+#ifndef DOSA_MAX_PORTS
+#define DOSA_MAX_PORTS 16
+#endif
+#ifndef DOSA_RINGBUF_PAGES
+#define DOSA_RINGBUF_PAGES 64 /* 256 KiB: > 10k completion events */
+#endif
+
+#define DOSA_SCALE_TAG_BIAS 256 /* scale_tag = scale_exp + bias: never 0, so 0 means "unset" */
+
+/* jobs: hash job_id -> job. Written only by the control plane. */
+struct dosa_job {
+	__u32 workers;        /* worker_id < workers */
+	__u32 partition_size; /* indices per partition */
+	__u32 numel;          /* index space [0, numel) */
+	__u32 num_partitions;
+	__u32 dpu_index;      /* this DPU owns partition p iff p % num_dpus == dpu_index */
+	__u32 num_dpus;
+	__u32 num_owned;      /* partitions owned here: local index j = p / num_dpus */
+	__u32 mode;           /* DOSA_MODE_* (informational for XDP) */
+	__u32 pool_off;       /* first s64 slot of the job's region in the aggregation pool */
+	__u32 pstate_off;     /* first entry of its num_owned partition states */
+	__u32 wstate_off;     /* first entry of its num_owned * 2 * workers worker states */
+	__s32 scale_exp;      /* initial scale exponent (round 0) */
+	__u32 port;           /* UDP port of the job */
+	__u32 reserved;
+};
+
+/* workers: hash (job, worker) -> the only source allowed to send as that worker. */
+struct dosa_flow_key {
+	__u32 job_id;
+	__u32 worker_id;
+};
+
+struct dosa_flow {
+	__be32 saddr; /* IPv4 source, network order */
+	__be16 sport; /* UDP source port, network order */
+	__u16 reserved;
+};
+
+/* pstate: mmapable array; one per owned (job, partition). Index pstate_off + j. */
+struct dosa_pstate {
+	__u32 base_round;      /* rounds base_round and base_round + 1 are accepted */
+	__u32 reserved;
+	/* 64-bit because BCC's BPF target only has fetching atomics (fetch_add, cmpxchg) on 64 bits */
+	__u64 workers_done[2]; /* per parity: workers whose contribution is complete */
+	__u64 scale_tag[2];    /* per parity: scale_exp + DOSA_SCALE_TAG_BIAS of the round, 0 = unset */
+};
+
+/* wstate: mmapable array; index wstate_off + (j * 2 + parity) * workers + worker_id. */
+struct dosa_wstate {
+	__u64 seen[4];  /* dedup bitmap: bit seq (< 256) */
+	__u64 received; /* distinct seqs merged (64-bit: fetching atomics) */
+	__u64 total;    /* the worker's packet total for this (round, partition), 0 = unset */
+};
+
+/* completions ring buffer record: exactly one per completed (job, partition, round). */
+struct dosa_completion {
+	__u32 job_id;
+	__u32 round;
+	__u16 partition;
+	__s8 scale_exp;
+	__u8 reserved;
+	__u32 reserved2;
+};
+
+#endif /* DOSA_STATE_H */

@@ -1,0 +1,280 @@
+/* dosa XDP dataplane: parse, validate, match flows, merge sparse chunks in flight.
+ *
+ * Compiled by BCC at load time (dataplane/loader.py prepends the counter enum generated from
+ * dataplane/reasons.py). Every packet moves exactly one verdict counter. The spec of what is
+ * accepted is docs/protocol.md; the map layouts are explained in docs/dataplane.md.
+ */
+#include <uapi/linux/bpf.h>
+#include "dosa_parse.h"
+#include "dosa_state.h"
+
+BPF_HASH(jobs, u32, struct dosa_job, DOSA_MAX_JOBS);
+BPF_HASH(flows, struct dosa_flow_key, struct dosa_flow, DOSA_MAX_FLOWS);
+BPF_HASH(ports, u32, u32, DOSA_MAX_PORTS); /* UDP destination ports (host order) that carry dosa */
+BPF_F_TABLE("array", u32, s64, pool, DOSA_POOL_SLOTS, BPF_F_MMAPABLE);
+BPF_F_TABLE("array", u32, struct dosa_pstate, pstate, DOSA_PSTATE_SLOTS, BPF_F_MMAPABLE);
+BPF_F_TABLE("array", u32, struct dosa_wstate, wstate, DOSA_WSTATE_SLOTS, BPF_F_MMAPABLE);
+BPF_PERCPU_ARRAY(counters, u64, DOSA_NUM_COUNTERS);
+BPF_RINGBUF_OUTPUT(completions, DOSA_RINGBUF_PAGES);
+
+static __always_inline void count(u32 idx, u64 n)
+{
+	u64 *v = counters.lookup(&idx);
+
+	if (v)
+		*v += n; /* per-CPU slot: no atomic needed */
+}
+
+static __always_inline int verdict(u32 idx, int action)
+{
+	count(idx, 1);
+	return action;
+}
+
+#define DROP(reason) verdict(DOSA_C_##reason, XDP_DROP)
+#define PASS(reason) verdict(DOSA_C_##reason, XDP_PASS)
+
+static __always_inline int is_data_or_result(u8 type)
+{
+	return type >= DOSA_T_SPARSE_DATA && type <= DOSA_T_DENSE_RESULT;
+}
+
+/* Entry size of a packet type; 0 for HEARTBEAT. type is already known to be 1..7. */
+static __always_inline u32 entry_len(u8 type)
+{
+	if (type == DOSA_T_SPARSE_DATA || type == DOSA_T_SPARSE_RESULT)
+		return DOSA_SPARSE_ENTRY_LEN;
+	if (type == DOSA_T_HEARTBEAT)
+		return 0;
+	return DOSA_DENSE_ENTRY_LEN; /* dense data/result, retx seqs, status ids: 4 bytes */
+}
+
+static __always_inline u32 max_entries(u8 type)
+{
+	if (type == DOSA_T_SPARSE_DATA || type == DOSA_T_SPARSE_RESULT)
+		return DOSA_MAX_SPARSE_ENTRIES;
+	if (type == DOSA_T_HEARTBEAT)
+		return 0;
+	return DOSA_MAX_DENSE_ENTRIES;
+}
+
+/* Checks of what a packet says about itself (dosa/wire.py validate_header). Returns a counter
+ * index of the broken rule, or -1 when the header is well formed for a payload of plen bytes. */
+static __always_inline int check_header(struct dosa_hdr *h, u32 plen)
+{
+	u8 type = h->type;
+	u16 flags = dosa_ntohs(h->flags);
+	u16 cnt = dosa_ntohs(h->count);
+	u16 seq = dosa_ntohs(h->seq);
+	u16 total = dosa_ntohs(h->total);
+	u16 wid = dosa_ntohs(h->worker_id);
+	s8 scale = h->scale_exp;
+
+	if (dosa_ntohl(h->magic) != DOSA_MAGIC)
+		return DOSA_C_BAD_MAGIC;
+	if (h->version != DOSA_VERSION)
+		return DOSA_C_BAD_VERSION;
+	if (type < DOSA_T_SPARSE_DATA || type > DOSA_T_STATUS)
+		return DOSA_C_BAD_TYPE;
+	if (cnt > max_entries(type) || plen != DOSA_HDR_LEN + entry_len(type) * (u32)cnt)
+		return DOSA_C_COUNT_MISMATCH;
+	if (flags & ~DOSA_F_VALID_MASK)
+		return DOSA_C_BAD_FIELD;
+	if (h->reserved != 0)
+		return DOSA_C_BAD_FIELD;
+	if (is_data_or_result(type)) {
+		if (total < 1 || total > DOSA_MAX_PACKETS_PER_CONTRIBUTION || seq >= total)
+			return DOSA_C_BAD_FIELD;
+		if (!!(flags & DOSA_F_LAST) != (seq == total - 1))
+			return DOSA_C_BAD_FIELD;
+		if (scale < DOSA_SCALE_EXP_MIN || scale > DOSA_SCALE_EXP_MAX)
+			return DOSA_C_BAD_FIELD;
+	}
+	if ((type == DOSA_T_SPARSE_DATA || type == DOSA_T_SPARSE_RESULT) && h->base != 0)
+		return DOSA_C_BAD_FIELD;
+	if (wid >= DOSA_MAX_WORKERS && wid != DOSA_DPU_SENDER_ID)
+		return DOSA_C_BAD_FIELD;
+	if (dosa_ntohs(h->partition) >= DOSA_MAX_PARTITIONS)
+		return DOSA_C_BAD_FIELD;
+	/* Results and STATUS travel DPU -> host: one arriving here is misdirected. */
+	if (type == DOSA_T_SPARSE_RESULT || type == DOSA_T_DENSE_RESULT || type == DOSA_T_STATUS)
+		return DOSA_C_BAD_TYPE;
+	return -1;
+}
+
+static __always_inline void emit_completion(u32 job_id, u16 partition, u32 round, s8 scale)
+{
+	struct dosa_completion ev = {};
+
+	ev.job_id = job_id;
+	ev.round = round;
+	ev.partition = partition;
+	ev.scale_exp = scale;
+	count(DOSA_C_COMPLETIONS, 1);
+	if (completions.ringbuf_output(&ev, sizeof(ev), 0) != 0)
+		count(DOSA_C_COMPLETION_LOST, 1);
+}
+
+/* Merge one SPARSE_DATA packet of a valid flow. All checks that can reject the packet come
+ * BEFORE the dedup bit is set: a rejected packet must not mark its seq as seen. */
+static __always_inline int merge_sparse(struct dosa_hdr *h, void *data_end, u32 job_id,
+					struct dosa_job *job)
+{
+	u32 p = dosa_ntohs(h->partition);
+	u32 round = dosa_ntohl(h->round);
+	u32 cnt = dosa_ntohs(h->count);
+	u32 seq = dosa_ntohs(h->seq);
+	u32 total = dosa_ntohs(h->total);
+	u32 wid = dosa_ntohs(h->worker_id);
+	u32 ndpus = job->num_dpus;
+	u32 workers = job->workers;
+	u32 psize = job->partition_size;
+
+	if (p >= job->num_partitions)
+		return DROP(BAD_FIELD);
+	if (ndpus == 0 || psize == 0 || p % ndpus != job->dpu_index)
+		return DROP(NOT_OWNER);
+	u32 local = p / ndpus;
+	if (local >= job->num_owned)
+		return DROP(INTERNAL);
+
+	u64 lo = (u64)p * psize;
+	u64 hi = lo + psize;
+	if (hi > job->numel)
+		hi = job->numel;
+
+	u32 ps_idx = job->pstate_off + local;
+	struct dosa_pstate *ps = pstate.lookup(&ps_idx);
+	if (!ps)
+		return DROP(INTERNAL);
+	u32 base = *(volatile u32 *)&ps->base_round;
+	if (round < base)
+		return DROP(ROUND_TOO_OLD);
+	if (round - base > 1)
+		return DROP(ROUND_TOO_NEW);
+	u32 parity = round & 1;
+
+	u32 ws_idx = job->wstate_off + (local * 2 + parity) * workers + wid;
+	struct dosa_wstate *ws = wstate.lookup(&ws_idx);
+	if (!ws)
+		return DROP(INTERNAL);
+
+	u64 buf0 = (u64)job->pool_off + ((u64)local * 2 + parity) * psize;
+	if (buf0 + psize > DOSA_POOL_SLOTS)
+		return DROP(INTERNAL);
+
+	/* Pass 1: every index inside the partition. */
+	struct dosa_sparse_entry *entries = (void *)(h + 1);
+	for (int i = 0; i < DOSA_MAX_SPARSE_ENTRIES; i++) {
+		if (i >= cnt)
+			break;
+		struct dosa_sparse_entry *e = &entries[i];
+		if ((void *)(e + 1) > data_end)
+			return DROP(SHORT_PACKET);
+		u32 idx = dosa_ntohl(e->index);
+		if (idx < lo || idx >= hi)
+			return DROP(INDEX_OUT_OF_PARTITION);
+	}
+
+	/* The worker's total and the round's scale: the first packet sets them, later ones agree. */
+	u64 old_total = __sync_val_compare_and_swap(&ws->total, 0, (u64)total);
+	if (old_total != 0 && old_total != total)
+		return DROP(TOTAL_MISMATCH);
+	s8 scale = h->scale_exp;
+	u64 tag = (u64)((s32)scale + DOSA_SCALE_TAG_BIAS);
+	u64 old_tag = __sync_val_compare_and_swap(&ps->scale_tag[parity & 1], 0, tag);
+	if (old_tag != 0 && old_tag != tag)
+		return DROP(SCALE_MISMATCH);
+
+	/* Dedup: atomic test-and-set of the seq bit. */
+	u64 bit = 1ULL << (seq & 63);
+	u64 old_bits = __sync_fetch_and_or(&ws->seen[(seq >> 6) & 3], bit);
+	if (old_bits & bit) {
+		if (*(volatile u64 *)&ps->workers_done[parity & 1] >= workers)
+			return PASS(PASS_DUP_OF_COMPLETE);
+		return DROP(DUPLICATE);
+	}
+
+	/* Pass 2: scatter-add. */
+	for (int i = 0; i < DOSA_MAX_SPARSE_ENTRIES; i++) {
+		if (i >= cnt)
+			break;
+		struct dosa_sparse_entry *e = &entries[i];
+		if ((void *)(e + 1) > data_end)
+			break; /* cannot happen: pass 1 checked every entry */
+		u32 slot = (u32)(buf0 + (dosa_ntohl(e->index) - lo));
+		s64 *v = pool.lookup(&slot);
+		if (v)
+			__sync_fetch_and_add(v, (s64)(s32)dosa_ntohl(e->value));
+	}
+	count(DOSA_C_MERGED_ENTRIES, cnt);
+
+	u64 got = __sync_fetch_and_add(&ws->received, 1) + 1;
+	if (got == total) {
+		u64 done = __sync_fetch_and_add(&ps->workers_done[parity & 1], 1) + 1;
+		if (done == workers)
+			emit_completion(job_id, (u16)p, round, scale);
+	}
+	return verdict(DOSA_C_MERGED, XDP_DROP); /* consumed: merged in place */
+}
+
+int xdp_dosa(struct xdp_md *ctx)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	void *data = (void *)(long)ctx->data;
+	struct hdr_cursor nh = { .pos = data };
+	struct ethhdr *eth;
+	struct iphdr *iph;
+	struct udphdr *udph;
+	struct dosa_hdr *h;
+
+	if (parse_ethhdr(&nh, data_end, &eth) != dosa_htons(ETH_P_IP))
+		return PASS(PASS_NOT_DOSA);
+	if (parse_iphdr(&nh, data_end, &iph) != IPPROTO_UDP)
+		return PASS(PASS_NOT_DOSA);
+	u16 frag = dosa_ntohs(iph->frag_off);
+	if (frag & DOSA_IP_OFFSET)
+		return PASS(PASS_NOT_DOSA); /* a later fragment: no UDP header to tell the port */
+	int ulen = parse_udphdr(&nh, data_end, &udph);
+	if (ulen < 0)
+		return PASS(PASS_NOT_DOSA);
+	u32 dport = dosa_ntohs(udph->dest);
+	if (!ports.lookup(&dport))
+		return PASS(PASS_NOT_DOSA);
+
+	/* From here on the packet is addressed to dosa: every fault is a counted drop. */
+	if (frag & DOSA_IP_MF)
+		return DROP(IP_FRAGMENT);
+	if (ulen < (int)sizeof(struct udphdr) + DOSA_HDR_LEN)
+		return DROP(SHORT_PACKET);
+	if ((void *)udph + ulen > data_end)
+		return DROP(SHORT_PACKET);
+	if (parse_dosahdr(&nh, data_end, &h) < 0)
+		return DROP(SHORT_PACKET);
+
+	int bad = check_header(h, ulen - sizeof(struct udphdr));
+	if (bad >= 0)
+		return verdict(bad, XDP_DROP);
+
+	u32 job_id = dosa_ntohl(h->job_id);
+	struct dosa_job *job = jobs.lookup(&job_id);
+	if (!job)
+		return DROP(UNKNOWN_JOB);
+	struct dosa_flow_key fk = { .job_id = job_id, .worker_id = dosa_ntohs(h->worker_id) };
+	if (fk.worker_id >= job->workers)
+		return DROP(UNKNOWN_WORKER);
+	struct dosa_flow *flow = flows.lookup(&fk);
+	if (!flow)
+		return DROP(UNKNOWN_WORKER);
+	if (flow->saddr != iph->saddr || flow->sport != udph->source)
+		return DROP(BAD_SOURCE);
+
+	switch (h->type) {
+	case DOSA_T_SPARSE_DATA:
+		return merge_sparse(h, data_end, job_id, job);
+	case DOSA_T_DENSE_DATA:
+		return PASS(PASS_DENSE);
+	default: /* RETX_REQUEST, HEARTBEAT */
+		return PASS(PASS_CONTROL);
+	}
+}

@@ -1,0 +1,144 @@
+"""Compile the XDP program with BCC and pin it and its maps under /sys/fs/bpf/dosa/<instance>/.
+
+Pinning is what makes the state outlive processes: the control process that loaded the program may
+exit or restart, the DPU worker (another process) opens the same maps by path
+(dataplane.maps.DataplaneMaps.open), and an XDP attachment made through netlink keeps the program
+alive on its interface. ``unload`` removes the pins; once no interface uses the program either, the
+kernel frees everything.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dosa.errors import DosaError, NeedsRoot
+
+from . import libbpf, reasons
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "dosa_xdp.c"
+BPFFS = "/sys/fs/bpf"
+PIN_ROOT = f"{BPFFS}/dosa"
+PROG_PIN = "prog"
+MAP_NAMES = ("jobs", "flows", "ports", "pool", "pstate", "wstate", "counters", "completions")
+FUNC_NAME = "xdp_dosa"
+_INSTANCE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Sizes fixed when the program is compiled (BPF maps cannot grow)."""
+
+    pool_slots: int = 1 << 22  # s64 aggregation slots (32 MiB)
+    pstate_slots: int = 65536  # owned (job, partition) states
+    wstate_slots: int = 262144  # (job, owned partition, parity, worker) states
+    max_jobs: int = 64
+    max_flows: int = 4096
+    ringbuf_pages: int = 64
+
+    def cflags(self) -> list[str]:
+        for k, v in asdict(self).items():
+            if not isinstance(v, int) or v < 1 or v >= 2**32:
+                raise DosaError(f"dataplane setting {k}={v!r} must be a positive 32-bit integer")
+        if self.ringbuf_pages & (self.ringbuf_pages - 1):
+            raise DosaError(f"ringbuf_pages={self.ringbuf_pages} must be a power of two")
+        return [f"-DDOSA_POOL_SLOTS={self.pool_slots}u", f"-DDOSA_PSTATE_SLOTS={self.pstate_slots}",
+                f"-DDOSA_WSTATE_SLOTS={self.wstate_slots}", f"-DDOSA_MAX_JOBS={self.max_jobs}",
+                f"-DDOSA_MAX_FLOWS={self.max_flows}", f"-DDOSA_RINGBUF_PAGES={self.ringbuf_pages}"]
+
+
+def check_instance(instance: str) -> str:
+    if not _INSTANCE_RE.match(instance or ""):
+        raise DosaError(f"instance name {instance!r} must be 1-48 letters, digits, '.', '_' or '-'")
+    return instance
+
+
+def pin_dir(instance: str) -> str:
+    return f"{PIN_ROOT}/{check_instance(instance)}"
+
+
+def is_loaded(instance: str) -> bool:
+    return os.path.exists(f"{pin_dir(instance)}/{PROG_PIN}")
+
+
+def require_root(what: str) -> None:
+    if os.geteuid() != 0:
+        raise NeedsRoot(what)
+
+
+def ensure_bpffs() -> None:
+    """Mount bpffs at /sys/fs/bpf when it is not (some minimal systems do not mount it)."""
+    with open("/proc/mounts") as f:
+        if any(line.split()[1:3] == [BPFFS, "bpf"] for line in f if len(line.split()) > 2):
+            return
+    r = subprocess.run(["mount", "-t", "bpf", "bpf", BPFFS], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise DosaError(f"cannot mount the BPF filesystem on {BPFFS}: {r.stderr.strip()}")
+
+
+def program_text() -> str:
+    """The C the kernel runs: the counter enum generated from reasons.py + dosa_xdp.c."""
+    return reasons.c_enum() + "\n" + SOURCE.read_text()
+
+
+def compile_program(config: LoadConfig = LoadConfig()):
+    """Compile with BCC; returns (bpf, prog_fd). The caller keeps ``bpf`` alive while it uses fds."""
+    require_root("loading the XDP dataplane")
+    from bcc import BPF  # imported late: BCC is slow to import and needs root to be useful
+
+    try:
+        bpf = BPF(text=program_text(), cflags=[f"-I{HERE}", *config.cflags()])
+        fn = bpf.load_func(FUNC_NAME, BPF.XDP)
+    except Exception as e:  # BCC raises bare Exceptions on compile / verifier errors
+        raise DosaError(f"the XDP program failed to compile or verify: {e}") from e
+    return bpf, fn.fd
+
+
+def load(instance: str = "default", config: LoadConfig = LoadConfig(), keep_bpf: bool = False):
+    """Compile and pin the program and its maps as ``instance``; an error if it is already loaded.
+
+    With ``keep_bpf`` the BCC object is returned (tests read its table types; call ``cleanup()``)."""
+    require_root("loading the XDP dataplane")
+    d = pin_dir(instance)
+    if is_loaded(instance):
+        raise DosaError(f"dataplane instance {instance!r} is already loaded (pins in {d})")
+    ensure_bpffs()
+    bpf, prog_fd = compile_program(config)
+    os.makedirs(d, exist_ok=True)
+    try:
+        for name in MAP_NAMES:
+            libbpf.obj_pin(bpf[name.encode()].map_fd, f"{d}/{name}")
+        libbpf.obj_pin(prog_fd, f"{d}/{PROG_PIN}")  # last: its presence means "fully loaded"
+    except Exception:
+        bpf.cleanup()
+        unload(instance)
+        raise
+    if keep_bpf:
+        return bpf
+    bpf.cleanup()
+    return None
+
+
+def unload(instance: str) -> bool:
+    """Remove the instance's pins. Returns whether there was anything to remove."""
+    d = pin_dir(instance)
+    if not os.path.isdir(d):
+        return False
+    for entry in os.listdir(d):
+        os.unlink(f"{d}/{entry}")
+    os.rmdir(d)
+    try:
+        os.rmdir(PIN_ROOT)  # only when no other instance is left
+    except OSError:
+        pass
+    return True
+
+
+def open_prog(instance: str) -> int:
+    """fd of the pinned program of ``instance`` (for attach or BPF_PROG_TEST_RUN)."""
+    if not is_loaded(instance):
+        raise DosaError(f"dataplane instance {instance!r} is not loaded (run `dosa ctl attach` first)")
+    return libbpf.obj_get(f"{pin_dir(instance)}/{PROG_PIN}")

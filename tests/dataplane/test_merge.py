@@ -1,0 +1,130 @@
+"""Merging through BPF_PROG_TEST_RUN: sums equal np.add.at exactly, duplicates are never added twice,
+a completion is emitted once and only when every worker's contribution is in, rounds alternate
+buffers and advance, and two jobs never see each other's data."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dataplane.maps import Completion
+from dataplane.reasons import Counter
+from dataplane_harness import XDP_DROP, XDP_PASS, random_contribution
+
+pytestmark = [pytest.mark.root, pytest.mark.timeout(180)]
+
+
+def contributions(h, rng, j, round_, scale=0, per_packet=180, density=0.5):
+    """{partition: [frames]} for every worker, and the dense reference sums per partition."""
+    frames, ref = {}, {}
+    for p in j.owned_partitions():
+        lo, hi = j.bounds(p)
+        ref[p] = np.zeros(hi - lo, np.int64)
+        frames[p] = []
+        for w in range(j.workers):
+            idx, val = random_contribution(rng, j, p, density)
+            np.add.at(ref[p], idx - lo, val)
+            frames[p] += h.data(j, w, p, round_, idx, val, scale, per_packet)
+    return frames, ref
+
+
+def test_shuffled_duplicated_packets_merge_exactly_and_complete_once(h):
+    rng = np.random.default_rng(1)
+    j = h.job(workers=3, numel=2000, partition_size=512)
+    frames, ref = contributions(h, rng, j, 0, scale=5, per_packet=40)
+    allf = [f for p in frames for f in frames[p]]
+    dups = [allf[i] for i in rng.choice(len(allf), size=len(allf) // 3)]
+    both = allf + dups
+    actions = h.run_all([both[i] for i in rng.permutation(len(both))])  # (not np: 'S' strips NULs)
+    assert set(actions) <= {XDP_DROP, XDP_PASS}
+    for p in frames:
+        assert np.array_equal(h.maps.buffer(j.job_id, p, 0), ref[p]), f"partition {p}"
+        assert not h.maps.buffer(j.job_id, p, 1).any()
+    comps = h.maps.poll_completions(0)
+    assert sorted(comps, key=lambda c: c.partition) == [Completion(j.job_id, int(p), 0, 5) for p in frames]
+    c = h.counters()
+    assert c[Counter.MERGED] == len(allf)
+    assert c[Counter.DUPLICATE] + c[Counter.PASS_DUP_OF_COMPLETE] == len(dups)
+    assert c[Counter.COMPLETIONS] == len(frames)
+
+
+def test_completion_only_after_the_last_packet_of_the_last_worker(h):
+    rng = np.random.default_rng(2)
+    j = h.job(workers=2, numel=600, partition_size=600)
+    frames, _ = contributions(h, rng, j, 0, per_packet=30)
+    f = frames[0]
+    for frame in f[:-1]:
+        h.run(frame)
+        assert h.maps.poll_completions(0) == []
+    assert not h.maps.is_complete(j.job_id, 0, 0)
+    h.run(f[-1])
+    assert h.maps.poll_completions(0) == [Completion(j.job_id, 0, 0, 0)]
+    assert h.maps.is_complete(j.job_id, 0, 0)
+    h.run_all(f)  # every copy again: passed to user space, never a second completion
+    assert h.maps.poll_completions(0) == []
+    assert h.counters()[Counter.PASS_DUP_OF_COMPLETE] == len(f)
+
+
+def test_empty_contributions_complete_a_partition(h):
+    j = h.job(workers=2, numel=100, partition_size=100)
+    h.run_all(h.data(j, 0, 0, 0, [], []) + h.data(j, 1, 0, 0, [], []))
+    assert h.maps.poll_completions(0) == [Completion(j.job_id, 0, 0, 0)]
+    assert not h.maps.buffer(j.job_id, 0, 0).any()
+
+
+def test_rounds_alternate_buffers_and_advance_clears_the_old_parity(h):
+    rng = np.random.default_rng(3)
+    j = h.job(workers=2, numel=300, partition_size=300)
+    f0, ref0 = contributions(h, rng, j, 0)
+    h.run_all(f0[0])
+    assert h.maps.poll_completions(0) == [Completion(j.job_id, 0, 0, 0)]
+    assert not h.maps.advance(j.job_id, 0, 0)  # round 0 completing moves nothing
+    f1, ref1 = contributions(h, rng, j, 1)
+    h.run_all(f1[0])
+    assert h.maps.poll_completions(0) == [Completion(j.job_id, 0, 1, 0)]
+    assert np.array_equal(h.maps.buffer(j.job_id, 0, 0), ref0[0])  # shadow copy still there
+    assert np.array_equal(h.maps.buffer(j.job_id, 0, 1), ref1[0])
+    assert h.maps.advance(j.job_id, 0, 1)
+    assert not h.maps.advance(j.job_id, 0, 1)  # idempotent
+    assert not h.maps.buffer(j.job_id, 0, 0).any()
+    st = h.maps.round_state(j.job_id, 0)
+    assert st.base_round == 1 and st.workers_done == (0, 2) and st.scale_exp == (None, 0)
+    before = h.counters()
+    h.run(f0[0][0])
+    assert (h.counters() - before)[Counter.ROUND_TOO_OLD] == 1
+    f2, ref2 = contributions(h, rng, j, 2)  # same parity as round 0: a clean buffer
+    h.run_all(f2[0])
+    assert h.maps.poll_completions(0) == [Completion(j.job_id, 0, 2, 0)]
+    assert np.array_equal(h.maps.buffer(j.job_id, 0, 2), ref2[0])
+
+
+def test_two_jobs_are_isolated(h):
+    rng = np.random.default_rng(4)
+    a = h.job(workers=2, numel=1000, partition_size=250)
+    b = h.job(workers=2, numel=1000, partition_size=250)
+    fa, ra = contributions(h, rng, a, 0)
+    fb, rb = contributions(h, rng, b, 0)
+    mixed = [f for p in fa for f in fa[p]] + [f for p in fb for f in fb[p]]
+    h.run_all([mixed[i] for i in rng.permutation(len(mixed))])
+    for p in fa:
+        assert np.array_equal(h.maps.buffer(a.job_id, p, 0), ra[p])
+        assert np.array_equal(h.maps.buffer(b.job_id, p, 0), rb[p])
+    comps = h.maps.poll_completions(0)
+    assert sorted((c.job_id, c.partition) for c in comps) == sorted(
+        [(a.job_id, int(p)) for p in fa] + [(b.job_id, int(p)) for p in fb])
+
+
+def test_only_owned_partitions_are_merged_on_a_two_dpu_job(h):
+    rng = np.random.default_rng(5)
+    j = h.job(workers=2, numel=1000, partition_size=200, num_dpus=2, dpu_index=1)
+    assert list(j.owned_partitions()) == [1, 3]
+    frames, ref = contributions(h, rng, j, 0)
+    h.run_all([f for p in frames for f in frames[p]])
+    for p in (1, 3):
+        assert np.array_equal(h.maps.buffer(j.job_id, p, 0), ref[p])
+
+
+def test_extreme_values_accumulate_in_64_bits(h):
+    j = h.job(workers=2, numel=10, partition_size=10)
+    big = 2**31 - 1
+    h.run_all(h.data(j, 0, 0, 0, [0, 1], [big, -2**31]) + h.data(j, 1, 0, 0, [0, 1], [big, -2**31]))
+    assert list(h.maps.buffer(j.job_id, 0, 0)[:2]) == [2 * big, -2**32]
