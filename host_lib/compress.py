@@ -1,0 +1,277 @@
+"""Gradient sparsification: top-k selection with error feedback, behind a swappable interface.
+
+The interface is Horovod's: ``compress(tensor) -> (payload, ctx)`` and
+``decompress(payload, ctx) -> tensor``, so the training hook can swap :class:`NoneCompressor` (dense,
+for baselines) and :class:`TopKCompressor` without knowing which it holds.
+
+Selection (``select_topk``):
+
+* ``"exact"``: ``np.argpartition`` of ``|a|``: the reference, O(n) but with several 25M-entry
+  temporaries; ~0.3-1 s for 25M float32 on this machine.
+* ``"fast"``: estimate the threshold ``t`` as the (1 - density) quantile of ``|a|`` over a uniform
+  random sample (``sample_size(k)`` entries; the number of sampled entries above ``t`` is
+  ``~1000``, so the selected count has a relative standard deviation of ~3%), then ONE pass of the
+  Cython kernel ``host_lib._select`` collects every ``|a[i]| >= t``. The result is guarded: above
+  ``1 + tolerance`` times k it is trimmed to exactly k by an exact top-k among the candidates (cheap:
+  they are few); below ``1 - tolerance`` a second pass runs with a lower threshold and is trimmed.
+  So the count is always within ``[k(1-tol), k(1+tol)]`` unless fewer than ``k(1-tol)`` entries are
+  non-zero (zeros are never selected by the fast method: sending them would be pure waste).
+  The selected set is exactly "every entry above a threshold", i.e. the exact top-c for its count c.
+
+Error feedback: what is not sent stays in a float32 residual ``r`` and is added to the next gradient
+(``a = g + r``), so every gradient entry is eventually applied (Deep Gradient Compression, Stich et al.).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from host_lib._select import add_select_abs_ge, select_abs_ge
+from host_lib.quantize import check_finite
+
+METHODS = ("exact", "fast")
+#: Below this many entries the fast method just runs the exact one (sampling would not pay off).
+FAST_MIN_NUMEL = 1 << 16
+
+
+def target_k(numel: int, density: float) -> int:
+    """Entries to select: round(density * numel), at least 1 when density > 0 and numel > 0."""
+    if not 0.0 <= density <= 1.0:
+        raise ValueError(f"density must be in [0, 1], got {density}")
+    if numel == 0 or density == 0.0:
+        return 0
+    return min(numel, max(1, int(round(density * numel))))
+
+
+def sample_size(numel: int, k: int) -> int:
+    """Sample enough entries that ~1000 of them lie above the threshold (clamped to 64K..2M)."""
+    if k == 0:
+        return 0
+    return int(min(numel, max(1 << 16, min(2_000_000, 1000 * numel // k))))
+
+
+def _exact_topk_positions(absvals: np.ndarray, k: int) -> np.ndarray:
+    n = len(absvals)
+    if k >= n:
+        return np.arange(n)
+    return np.sort(np.argpartition(absvals, n - k)[n - k:])
+
+
+def topk_exact(a: np.ndarray, k: int) -> np.ndarray:
+    """Indices (uint32, ascending) of the k largest |a| (ties broken arbitrarily)."""
+    a = _as_flat_f32(a)
+    check_finite(a)
+    if k <= 0:
+        return np.zeros(0, np.uint32)
+    return _exact_topk_positions(np.abs(a), k).astype(np.uint32)
+
+
+@dataclass
+class FastStats:
+    """What the last fast selection did (for logs, benchmarks and tests)."""
+
+    threshold: float = 0.0
+    passes: int = 0
+    trimmed: bool = False
+    candidates: int = 0
+
+
+def _quantile_threshold(sample_abs: np.ndarray, frac: float) -> float:
+    """|a| value above which a fraction ``frac`` of the sample lies (0 -> tiny positive: no zeros)."""
+    m = len(sample_abs)
+    above = int(np.clip(np.ceil(frac * m), 1, m))
+    t = float(np.partition(sample_abs, m - above)[m - above])
+    return max(t, float(np.finfo(np.float32).smallest_subnormal))
+
+
+def topk_fast(a: np.ndarray, k: int, *, rng: np.random.Generator | None = None, tolerance: float = 0.2,
+              residual_out: np.ndarray | None = None, stats: FastStats | None = None,
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Approximate top-k: (indices uint32 ascending, values float32) of ~k entries with the largest |a|.
+
+    With ``residual_out`` (float32, same length, the error-feedback residual r), ``a`` is the
+    gradient g and the kernel first does ``r += g`` in the same pass; the selection is on the sum.
+    See the module docstring for the algorithm and its accuracy guarantee.
+    """
+    rng = rng if rng is not None else np.random.default_rng()
+    stats = stats if stats is not None else FastStats()
+    a = _as_flat_f32(a)
+    n = len(a)
+    if residual_out is not None and (residual_out.dtype != np.float32 or residual_out.shape != (n,)
+                                     or not residual_out.flags.c_contiguous):
+        raise ValueError("residual_out must be a C-contiguous float32 array of the gradient's length")
+    if k <= 0 or n == 0:
+        if residual_out is not None:
+            _, bad, first = add_select_abs_ge(residual_out, a, np.inf, np.zeros(0, np.uint32),
+                                              np.zeros(0, np.float32))
+            _raise_nonfinite(bad, first)
+        else:
+            check_finite(a)
+        return np.zeros(0, np.uint32), np.zeros(0, np.float32)
+
+    if k >= n:  # density 1: everything, zeros included (t = -1 selects every finite entry)
+        idx, val = np.empty(n, np.uint32), np.empty(n, np.float32)
+        if residual_out is not None:
+            c, bad, first = add_select_abs_ge(residual_out, a, -1.0, idx, val)
+        else:
+            c, bad, first = select_abs_ge(a, -1.0, idx, val)
+        _raise_nonfinite(bad, first)
+        stats.passes, stats.trimmed, stats.candidates, stats.threshold = 1, False, c, 0.0
+        return idx, val
+
+    m = sample_size(n, k)
+    pos = rng.integers(0, n, m)
+    sample = a[pos] if residual_out is None else a[pos] + residual_out[pos]
+    sample = np.abs(sample)
+    if not np.isfinite(sample).all():
+        sample = np.where(np.isfinite(sample), sample, 0)  # the pass below reports them properly
+    frac = k / n
+    t = _quantile_threshold(sample, frac)
+    cap = int(k * (1 + tolerance)) + 1024
+    idx = np.empty(cap, np.uint32)
+    val = np.empty(cap, np.float32)
+    if residual_out is not None:
+        c, bad, first = add_select_abs_ge(residual_out, a, t, idx, val)
+        _raise_nonfinite(bad, first)
+        src = residual_out  # from here on, select from a + r, which now lives in r
+    else:
+        c, bad, first = select_abs_ge(a, t, idx, val)
+        _raise_nonfinite(bad, first)
+        src = a
+    stats.passes = 1
+    lo_ok = int(np.floor(k * (1 - tolerance)))
+    if c < lo_ok:
+        # Too few: lower the threshold (aim at 2k, enough margin for a 4-sigma sampling miss) and
+        # collect again; the trim below brings it back to k.
+        t = _quantile_threshold(sample, min(1.0, 2 * frac * max(1.0, k / max(c, 1))))
+        idx = np.empty(max(cap, 4 * k + 1024), np.uint32)
+        val = np.empty(len(idx), np.float32)
+        c, _, _ = select_abs_ge(src, t, idx, val)
+        stats.passes = 2
+    if c > len(idx):  # more hits than the buffer: collect them all (rare; threshold far too low)
+        idx = np.empty(c, np.uint32)
+        val = np.empty(c, np.float32)
+        c, _, _ = select_abs_ge(src, t, idx, val)
+        stats.passes += 1
+    idx, val = idx[:c], val[:c]
+    stats.candidates = c
+    stats.trimmed = False
+    if c > k * (1 + tolerance) or (stats.passes > 1 and c > k):
+        keep = _exact_topk_positions(np.abs(val), k)
+        idx, val = idx[keep], val[keep]
+        stats.trimmed = True
+    stats.threshold = t
+    return idx, val
+
+
+def _raise_nonfinite(bad: int, first: int) -> None:
+    if bad:
+        raise ValueError(f"gradient has {bad} non-finite (NaN/Inf) entries, the first at index {first}")
+
+
+def _as_flat_f32(a) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype != np.float32:
+        if not np.issubdtype(a.dtype, np.floating) and a.size:
+            raise ValueError(f"gradient must be a floating-point array, got {a.dtype}")
+        a = a.astype(np.float32)
+    a = np.ascontiguousarray(a).reshape(-1)
+    if len(a) > 2**32:
+        raise ValueError("gradient has more entries than a u32 index can address")
+    return a
+
+
+def select_topk(a, density: float, method: str = "fast", *, rng=None, residual_out=None,
+                stats: FastStats | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Select ~density * len(a) entries of largest magnitude: (indices u32 ascending, values f32).
+
+    ``method="exact"`` selects exactly k; ``"fast"`` within +-20% of k (module docstring). With
+    ``residual_out``, ``a`` is added into it first (fused for the fast method) and the selection is
+    made on the sum; the caller then zeroes (or sets to the quantization remainder) the selected
+    entries of the residual.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    a = _as_flat_f32(a)
+    k = target_k(len(a), density)
+    if method == "fast" and len(a) >= FAST_MIN_NUMEL:
+        return topk_fast(a, k, rng=rng, residual_out=residual_out, stats=stats)
+    if residual_out is not None:
+        check_finite(a, "gradient")
+        np.add(residual_out, a, out=residual_out)
+        a = residual_out
+    idx = topk_exact(a, k)
+    return idx, a[idx]
+
+
+# --------------------------------------------------------------------------------------------------
+# Horovod-style compressors
+# --------------------------------------------------------------------------------------------------
+class NoneCompressor:
+    """Sends the tensor as it is (dense baseline)."""
+
+    def compress(self, tensor):
+        return np.asarray(tensor), None
+
+    def decompress(self, payload, ctx):
+        return payload
+
+
+@dataclass
+class TopKContext:
+    shape: tuple
+    dtype: np.dtype
+
+
+class TopKCompressor:
+    """Top-k sparsification with optional error feedback.
+
+    Args:
+        density: fraction of entries sent each call, in [0, 1]. 0 sends nothing (everything stays in
+            the residual), 1 sends everything.
+        method: "exact" or "fast" (see the module docstring).
+        error_feedback: keep what was not sent and add it to the next tensor.
+        seed: seeds the fast method's sampling (reproducible runs).
+    Example:
+        >>> c = TopKCompressor(0.01)
+        >>> (idx, vals), ctx = c.compress(grad)
+        >>> approx = c.decompress((idx, vals), ctx)
+    The payload is ``(indices uint32 ascending, values float32)`` into the flattened tensor.
+    """
+
+    def __init__(self, density: float, method: str = "fast", error_feedback: bool = True, seed: int = 0):
+        if not 0.0 <= float(density) <= 1.0:
+            raise ValueError(f"density must be in [0, 1], got {density}")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        self.density = float(density)
+        self.method = method
+        self.error_feedback = bool(error_feedback)
+        self.rng = np.random.default_rng(seed)
+        self.residual: np.ndarray | None = None
+        self.stats = FastStats()
+
+    def reset(self) -> None:
+        """Forget the residual (e.g. after the model's shape changed)."""
+        self.residual = None
+
+    def compress(self, tensor):
+        t = np.asarray(tensor)
+        ctx = TopKContext(tuple(t.shape), t.dtype if np.issubdtype(t.dtype, np.floating) else np.dtype(np.float32))
+        flat = _as_flat_f32(t)
+        if not self.error_feedback:
+            idx, vals = select_topk(flat, self.density, self.method, rng=self.rng, stats=self.stats)
+            return (idx, vals), ctx
+        if self.residual is None or self.residual.shape != flat.shape:
+            self.residual = np.zeros(flat.shape, np.float32)
+        idx, vals = select_topk(flat, self.density, self.method, rng=self.rng,
+                                residual_out=self.residual, stats=self.stats)
+        self.residual[idx] = 0.0
+        return (idx, vals), ctx
+
+    def decompress(self, payload, ctx: TopKContext):
+        idx, vals = payload
+        out = np.zeros(int(np.prod(ctx.shape, dtype=np.int64)), np.float32)
+        out[idx] = vals
+        return out.reshape(ctx.shape).astype(ctx.dtype, copy=False)

@@ -1,0 +1,207 @@
+"""host_lib.compress and host_lib.encoder: top-k selection, its accuracy, error feedback."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from hypothesis.extra.numpy import arrays
+
+from dosa import wire
+from host_lib._select import add_select_abs_ge, select_abs_ge
+from host_lib.compress import (
+    FastStats, NoneCompressor, TopKCompressor, select_topk, target_k, topk_exact, topk_fast,
+)
+from host_lib.encoder import RoundEncoder
+from host_lib.packetizer import packetize, parse_batch
+from host_lib.quantize import clip_bound
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def realistic_gradient(rng, n):
+    """Layers of very different scales, heavy tails (Student-t), a dead layer of zeros."""
+    sizes = rng.multinomial(n, rng.dirichlet(np.ones(12)))
+    parts = []
+    for i, m in enumerate(sizes):
+        scale = 10.0 ** rng.uniform(-5, -1)
+        if i == 3:
+            parts.append(np.zeros(m, np.float32))
+        elif i % 2:
+            parts.append((rng.standard_t(2.5, m) * scale).astype(np.float32))
+        else:
+            mix = rng.standard_normal(m) * np.where(rng.random(m) < 0.05, 20, 1)
+            parts.append((mix * scale).astype(np.float32))
+    return np.concatenate(parts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=arrays(np.float32, st.integers(0, 300),
+                elements=st.floats(-2.0**100, 2.0**100, width=32, allow_subnormal=True)),
+       t=st.floats(0, 2.0**100, width=32), cap=st.integers(0, 400))
+def test_kernel_matches_numpy(a, t, cap):
+    ref = np.flatnonzero(np.abs(a) >= t)
+    idx, val = np.empty(cap, np.uint32), np.empty(cap, np.float32)
+    c, bad, first = select_abs_ge(a, t, idx, val)
+    assert (c, bad, first) == (len(ref), 0, -1)
+    w = min(c, cap)
+    np.testing.assert_array_equal(idx[:w], ref[:w])
+    np.testing.assert_array_equal(val[:w], a[ref[:w]])
+    g = a[::-1].copy()
+    r = a.copy()
+    c2, _, _ = add_select_abs_ge(r, g, t, idx, val)
+    s = (a + g).astype(np.float32)
+    np.testing.assert_array_equal(r, s)
+    assert c2 == np.count_nonzero(np.abs(s) >= t)
+
+
+def test_kernel_reports_nonfinite_and_keeps_residual_finite():
+    a = np.ones(100, np.float32)
+    a[[17, 40, 41]] = [np.nan, np.inf, -np.inf]
+    idx, val = np.empty(100, np.uint32), np.empty(100, np.float32)
+    c, bad, first = select_abs_ge(a, 0.5, idx, val)
+    assert (c, bad, first) == (97, 3, 17) and 17 not in idx[:c]
+    r = np.zeros(100, np.float32)
+    c, bad, first = add_select_abs_ge(r, a, 0.5, idx, val)
+    assert (bad, first) == (3, 17) and np.isfinite(r).all() and r[16] == 1 and r[17] == 0
+
+
+def test_target_k():
+    assert target_k(0, 0.5) == 0 and target_k(10, 0) == 0 and target_k(10, 1) == 10
+    assert target_k(1000, 0.0001) == 1 and target_k(25_000_000, 0.01) == 250_000
+    with pytest.raises(ValueError):
+        target_k(10, 1.5)
+
+
+def test_exact_is_the_top_k():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(10_000).astype(np.float32)
+    idx = topk_exact(a, 100)
+    assert idx.dtype == np.uint32 and len(idx) == 100 and np.all(np.diff(idx.astype(np.int64)) > 0)
+    assert np.abs(a[idx]).min() >= np.sort(np.abs(a))[-100]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1])
+def test_fast_count_within_20_percent_on_realistic_gradients(seed, density):
+    rng = np.random.default_rng(seed)
+    a = realistic_gradient(rng, 1_000_000)
+    k = target_k(len(a), density)
+    stats = FastStats()
+    idx, val = topk_fast(a, k, rng=rng, stats=stats)
+    assert 0.8 * k <= len(idx) <= 1.2 * k
+    assert np.all(np.diff(idx.astype(np.int64)) > 0)
+    np.testing.assert_array_equal(val, a[idx])
+    # what it selects is the exact top-c for its count c: nothing left out is larger
+    rest = np.ones(len(a), bool)
+    rest[idx] = False
+    assert np.abs(a[rest]).max() <= np.abs(val).min()
+
+
+def test_fast_guard_trims_or_repasses_when_the_sample_misleads():
+    rng = np.random.default_rng(5)
+    # tolerance 0: the guard (trim, or second pass then trim) must bring the count to exactly k
+    a = realistic_gradient(rng, 300_000)
+    k = 3000
+    stats = FastStats()
+    idx, _ = topk_fast(a, k, rng=rng, tolerance=0.0, stats=stats)
+    assert len(idx) == k and (stats.trimmed or stats.candidates == k)
+    # the trimmed set is the exact top-k (compare magnitudes: ties may pick different indices)
+    np.testing.assert_array_equal(np.sort(np.abs(a[idx])), np.sort(np.abs(a[topk_exact(a, k)])))
+
+
+def test_fast_never_selects_zeros():
+    a = np.zeros(200_000, np.float32)
+    a[::1000] = np.arange(1, 201)
+    idx, val = topk_fast(a, 2000, rng=np.random.default_rng(0))
+    assert len(idx) == 200 and np.all(val != 0)
+
+
+@pytest.mark.parametrize("method", ["exact", "fast"])
+def test_density_edges_and_empty(method):
+    rng = np.random.default_rng(1)
+    g = rng.standard_normal(100_000).astype(np.float32)
+    c = TopKCompressor(0.0, method=method)
+    (idx, vals), ctx = c.compress(g)
+    assert len(idx) == 0
+    np.testing.assert_array_equal(c.residual, g)  # everything stays in the residual
+    c = TopKCompressor(1.0, method=method)
+    (idx, vals), ctx = c.compress(g)
+    np.testing.assert_array_equal(idx, np.arange(len(g)))
+    assert not c.residual.any()
+    np.testing.assert_array_equal(c.decompress((idx, vals), ctx), g)
+    (idx, vals), ctx = TopKCompressor(0.5, method=method).compress(np.zeros((0, 3), np.float32))
+    assert len(idx) == 0 and ctx.shape == (0, 3)
+    assert TopKCompressor(0.5).decompress((idx, vals), ctx).shape == (0, 3)
+
+
+@pytest.mark.parametrize("method", ["exact", "fast"])
+def test_error_feedback_conserves_the_gradient_sum(method):
+    rng = np.random.default_rng(2)
+    c = TopKCompressor(0.01, method=method, seed=3)
+    shape = (300, 500)
+    sent = np.zeros(np.prod(shape), np.float64)
+    total = np.zeros(np.prod(shape), np.float64)
+    for _ in range(5):
+        g = realistic_gradient(rng, np.prod(shape)).reshape(shape)
+        total += g.reshape(-1)
+        payload, ctx = c.compress(g)
+        out = c.decompress(payload, ctx)
+        assert out.shape == shape and out.dtype == np.float32
+        sent += out.reshape(-1)
+    # float32 residual: each round rounds r + g once; the error stays at float32 epsilon scale
+    np.testing.assert_allclose(sent + c.residual, total, rtol=1e-5, atol=1e-6 * np.abs(total).max())
+    c2 = TopKCompressor(0.01, method=method, error_feedback=False)
+    c2.compress(g)
+    assert c2.residual is None
+
+
+def test_none_compressor_is_identity():
+    x = np.arange(6.0).reshape(2, 3)
+    p, ctx = NoneCompressor().compress(x)
+    assert NoneCompressor().decompress(p, ctx) is x
+
+
+def test_select_topk_rejects_bad_method():
+    with pytest.raises(ValueError, match="method"):
+        select_topk(np.ones(3), 0.5, "sorted")
+
+
+@pytest.mark.parametrize("method", ["exact", "fast"])
+def test_encoder_conserves_exactly_and_packetizes(method):
+    rng = np.random.default_rng(4)
+    n, w = 200_000, 4
+    enc = RoundEncoder(n, 0.02, w, method=method, seed=1)
+    r0 = enc.residual.copy()
+    g = realistic_gradient(rng, n)
+    a = (r0 + g).astype(np.float32)
+    er = enc.encode(g, scale_exp=20)
+    assert er.indices.dtype == np.uint32 and er.values.dtype == np.int32 and len(er) > 0
+    assert np.all(np.abs(er.values.astype(np.int64)) <= clip_bound(w))
+    back = enc.residual.astype(np.float64)
+    back[er.indices] += np.ldexp(er.values.astype(np.float64), -20)
+    np.testing.assert_array_equal(back, a.astype(np.float64))  # exact conservation
+    pmap = wire.PartitionMap(n, partition_size=10_000, num_dpus=2)
+    p = parse_batch(packetize(er.indices, er.values, pmap, job_id=1, worker_id=0, round=0,
+                              scale_exp=er.scale_exp))
+    np.testing.assert_array_equal(p.indices, er.indices)
+
+
+def test_encoder_fold_back_restores_unapplied_entries():
+    rng = np.random.default_rng(6)
+    n = 100_000
+    enc = RoundEncoder(n, 0.05, 2, method="exact")
+    g = rng.standard_normal(n).astype(np.float32)
+    er = enc.encode(g, scale_exp=16)
+    before = enc.residual.copy()
+    applied = er.indices[::2]  # pretend the DPU returned only every other index (gtopk)
+    idx, q = enc.unapplied(er, applied)
+    assert len(idx) == len(er) - len(applied)
+    enc.fold_back(idx, q, 16)
+    np.testing.assert_array_equal(enc.residual[applied], before[applied])
+    expect = (before[idx] + (q.astype(np.float64) / 2**16).astype(np.float32))
+    np.testing.assert_array_equal(enc.residual[idx], expect)
+    np.testing.assert_allclose(enc.residual[idx], g[idx], rtol=1e-6)
+    with pytest.raises(ValueError, match="unique"):
+        enc.fold_back(np.array([1, 1]), np.array([1, 2], np.int32), 16)
+    with pytest.raises(ValueError, match=r"\[0, 100000\)"):
+        enc.fold_back(np.array([n]), np.array([1], np.int32), 16)
