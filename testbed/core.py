@@ -47,6 +47,8 @@ class Testbed:
         services: function DpuContext -> list[ServiceSpec] (default testbed.services.dpu_services).
     """
 
+    __test__ = False  # not a pytest test class despite the name
+
     def __init__(self, prefix: str | None = None, subnet: str | None = None,
                  state_dir: str | os.PathLike | None = None, services=None):
         self.prefix = config.check_prefix(prefix) if prefix else config.default_prefix()
