@@ -1,0 +1,124 @@
+"""``dosa deploy``: the exact commands planned for the example inventory, and clear errors for bad
+inventories. Nothing here runs ssh: the plan is data, the dry run prints it."""
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dosa.errors import DosaError
+from testbed import deploy
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "testbed" / "examples" / "inventory.toml"
+SSH = "ssh -o BatchMode=yes -o ConnectTimeout=10"
+PY = "/opt/dosa/.venv/bin/python -m dosa"
+
+
+def expected_plan() -> list[str]:
+    ship = []
+    for target in ("root@192.0.2.20", "root@192.0.2.10", "root@192.0.2.11"):
+        ship += [
+            f"{SSH} {target} 'mkdir -p /opt/dosa'",
+            "rsync -az --delete --exclude=.git --exclude=.venv --exclude=build '--exclude=*.so' "
+            f"--exclude=__pycache__ '--exclude=*.egg-info' -e '{SSH}' {REPO}/ {target}:/opt/dosa/",
+            f"{SSH} {target} 'cd /opt/dosa && make setup'",
+        ]
+    d = "root@192.0.2.20"
+    stop = [f"{SSH} {d} 'if [ -f /run/dosa/{s}.pid ]; then kill $(cat /run/dosa/{s}.pid) 2>/dev/null; "
+            f"rm -f /run/dosa/{s}.pid; fi; true'" for s in ("dpu", "ctl")]
+    ctl = (f"{PY} ctl serve --iface p0 --addr 10.10.0.200 --listen 10.10.0.200:17800 --port 17791 "
+           "--mode xdp --pin-dir /sys/fs/bpf/dosa/dpu0")
+    worker = (f"{PY} dpu run --iface p0 --addr 10.10.0.200 --port 17791 --mode xdp "
+              "--pin-dir /sys/fs/bpf/dosa/dpu0 --control 10.10.0.200:17800 "
+              "--pid-file /run/dosa/dpu0-worker.ready")
+    ready = "/run/dosa/dpu0-worker.ready"
+    start = [
+        (f"mkdir -p /run/dosa /var/log/dosa && cd /opt/dosa && setsid nohup {ctl} > "
+         "/var/log/dosa/ctl.log 2>&1 < /dev/null & echo $! > /run/dosa/ctl.pid"),
+        ("for i in $(seq 300); do ss -Hltn 'sport = :17800' | grep -q . && exit 0; kill -0 "
+         "$(cat /run/dosa/ctl.pid) 2>/dev/null || break; sleep 0.1; done; echo 'ctl not ready, see "
+         "/var/log/dosa/ctl.log' >&2; tail -n 5 /var/log/dosa/ctl.log >&2; exit 1"),
+        (f"mkdir -p /run/dosa /var/log/dosa && rm -f {ready} && cd /opt/dosa && setsid nohup {worker} > "
+         "/var/log/dosa/dpu.log 2>&1 < /dev/null & echo $! > /run/dosa/dpu.pid"),
+        (f"for i in $(seq 300); do test -e {ready} && exit 0; kill -0 $(cat /run/dosa/dpu.pid) "
+         "2>/dev/null || break; sleep 0.1; done; echo 'dpu not ready, see /var/log/dosa/dpu.log' >&2; "
+         "tail -n 5 /var/log/dosa/dpu.log >&2; exit 1"),
+    ]
+    return ship + stop + [f"{SSH} {d} {shlex.quote(c)}" for c in start]
+
+
+def test_plan_for_the_example_inventory_is_exactly_these_commands():
+    inv = deploy.load_inventory(EXAMPLE)
+    assert [h.name for h in inv.hosts] == ["host0", "host1"] and [d.name for d in inv.dpus] == ["dpu0"]
+    assert [s.shell() for s in deploy.plan(inv)] == expected_plan()
+
+
+def test_dry_run_prints_every_command_and_runs_nothing():
+    p = subprocess.run([sys.executable, "-m", "dosa", "deploy", "--inventory", str(EXAMPLE), "--dry-run"],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    commands = [line for line in p.stdout.splitlines() if line and not line.startswith("#")]
+    assert commands == expected_plan()
+    assert "DOSA_CONTROL_ADDR=10.10.0.200 DOSA_CONTROL_PORT=17800" in p.stdout
+
+
+def test_stop_only_plans_the_stop_commands():
+    inv = deploy.load_inventory(EXAMPLE)
+    assert [s.shell() for s in deploy.plan(inv, stop_only=True)] == expected_plan()[9:11]
+
+
+def test_git_method_clones_or_fetches_the_ref(tmp_path):
+    text = EXAMPLE.read_text().replace('method = "rsync"', 'method = "git"\ngit_url = "https://example.org/dosa.git"\ngit_ref = "v1"')
+    inv_path = tmp_path / "inv.toml"
+    inv_path.write_text(text)
+    steps = deploy.plan(deploy.load_inventory(inv_path))
+    assert steps[1].argv[-1] == ("if [ -d /opt/dosa/.git ]; then git -C /opt/dosa fetch --quiet origin; "
+                                 "else git clone --quiet https://example.org/dosa.git /opt/dosa; fi && "
+                                 "git -C /opt/dosa checkout --quiet --force v1")
+
+
+BAD = [
+    ("[[hosts]]\nname='a'\nssh='r@x'\niface='eth0'\naddr='10.0.0.1'\n", r"needs at least one \[\[dpus\]\]"),
+    ("[[hosts]]\nname='a'\nssh='r@x'\niface='eth0'\naddr='10.0.0.300'\n"
+     "[[dpus]]\nname='d'\nssh='r@y'\niface='p0'\naddr='10.0.0.2'\n", r"hosts\[0\]\.addr '10\.0\.0\.300' is not an IPv4"),
+    ("[[hosts]]\nname='a'\nssh='r@x'\naddr='10.0.0.1'\n"
+     "[[dpus]]\nname='d'\nssh='r@y'\niface='p0'\naddr='10.0.0.2'\n", r"hosts\[0\] is missing iface"),
+    ("[[hosts]]\nname='a'\nssh='r@x'\niface='eth0'\naddr='10.0.0.1'\n"
+     "[[dpus]]\nname='a'\nssh='r@y'\niface='p0'\naddr='10.0.0.2'\n", r"dpus\[0\]\.name 'a' is used twice"),
+    ("[[hosts]]\nname='a'\nssh='r@x; rm -rf /'\niface='eth0'\naddr='10.0.0.1'\n"
+     "[[dpus]]\nname='d'\nssh='r@y'\niface='p0'\naddr='10.0.0.2'\n", r"hosts\[0\]\.ssh .* must be an ssh destination"),
+    ("[deploy]\ncontrol_port=70000\n[[hosts]]\nname='a'\nssh='r@x'\niface='eth0'\naddr='10.0.0.1'\n"
+     "[[dpus]]\nname='d'\nssh='r@y'\niface='p0'\naddr='10.0.0.2'\n", r"deploy\.control_port must be a port"),
+    ("[deploy]\nmethod='git'\n[[hosts]]\nname='a'\nssh='r@x'\niface='eth0'\naddr='10.0.0.1'\n"
+     "[[dpus]]\nname='d'\nssh='r@y'\niface='p0'\naddr='10.0.0.2'\n", r"needs deploy\.git_url"),
+    ("[[hosts]]\nname='a'\nssh='r@x'\niface='eth0'\naddr='10.0.0.1'\n"
+     "[[dpus]]\nname='d'\nssh='r@y'\niface='p0'\naddr='10.0.0.1'\n", r"10\.0\.0\.1 used by more than one"),
+    ("[[hosts]\nname='a'\n", r"is not valid TOML"),
+    ("[hostz]\n", r"unknown section\(s\) hostz"),
+]
+
+
+@pytest.mark.parametrize("text,error", BAD)
+def test_bad_inventory_is_one_clear_error(tmp_path, text, error):
+    path = tmp_path / "inv.toml"
+    path.write_text(text)
+    with pytest.raises(DosaError, match=error):
+        deploy.load_inventory(path)
+
+
+def test_bad_inventory_through_the_cli_is_one_line_without_traceback(tmp_path):
+    path = tmp_path / "inv.toml"
+    path.write_text(BAD[1][0])
+    p = subprocess.run([sys.executable, "-m", "dosa", "deploy", "--inventory", str(path), "--dry-run"],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert p.returncode == 2
+    assert p.stderr.startswith("dosa: inventory ") and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    missing = subprocess.run([sys.executable, "-m", "dosa", "deploy", "--inventory",
+                              str(tmp_path / "nope.toml"), "--dry-run"],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
