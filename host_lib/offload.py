@@ -471,3 +471,117 @@ class OffloadServices:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class LocalLoader:
+    """The same batches as OffloadedLoader, computed on the host (the baseline, and what the
+    offloaded loader falls back to). Same surface: ``len``, ``set_epoch``, one epoch per pass."""
+
+    def __init__(self, dataset: str = "digits", batch_size: int = 64, seed: int = 0,
+                 augment: AugmentConfig | dict | None = AugmentConfig(), split: str = "train",
+                 drop_last: bool = False, as_numpy: bool = False, return_ids: bool = False):
+        self.pipeline = make_pipeline(dataset, split, batch_size, seed, augment, drop_last)
+        self.as_numpy, self.return_ids = as_numpy, return_ids
+        self._epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.pipeline)
+
+    def __iter__(self):
+        epoch, self._epoch = self._epoch, self._epoch + 1
+        for x, y, ids in self.pipeline.iter_epoch(epoch):
+            if not self.as_numpy:
+                import torch
+                x, y = torch.from_numpy(x), torch.from_numpy(y)
+            yield (x, y, ids) if self.return_ids else (x, y)
+
+
+def default_model_spec(dataset: str, hidden=(128,)) -> dict:
+    """An MLP spec fitting ``dataset``'s images (what the demo and the benchmark train)."""
+    from dpu_fw.offload.datasets import load_dataset
+    ds = load_dataset(dataset)
+    return {"family": "mlp", "in_shape": list(ds.train.image_shape), "classes": ds.classes,
+            "hidden": list(hidden)}
+
+
+def run_training(dataset: str = "digits", model_spec: dict | None = None, epochs: int = 3,
+                 batch_size: int = 64, seed: int = 0, lr: float = 0.01,
+                 offload: "OffloadServices | bool | None" = None, cpus: str | None = None,
+                 fallback: bool = True, augment: AugmentConfig | None = AugmentConfig(),
+                 log=None) -> dict:
+    """Train a model from dpu_fw.offload.models with validation after every epoch.
+
+    Args:
+        offload: None/False: augmentation and validation on the host (LocalLoader + local
+            evaluation). True: start the services (pinned to ``cpus``) for the run and stop them
+            after. An OffloadServices already started: use its addresses.
+        log: called with one line per epoch (e.g. ``print``), or None.
+
+    Returns {"epochs": [{epoch, seconds, train_loss, val_loss, val_accuracy}], "seconds": total,
+    "offloaded": bool, "fell_back": bool}. The total includes waiting for the last validation.
+    """
+    import torch
+    from dpu_fw.offload.models import build_model
+
+    if offload is True:
+        with OffloadServices(cpus=cpus, datasets=[dataset]) as svc:
+            return run_training(dataset, model_spec, epochs, batch_size, seed, lr, svc, cpus,
+                                fallback, augment, log)
+    spec = model_spec or default_model_spec(dataset)
+    torch.manual_seed(seed)
+    model = build_model(spec)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if offload:
+        loader = OffloadedLoader(offload.augment_address, dataset=dataset, batch_size=batch_size,
+                                 seed=seed, augment=augment, fallback=fallback)
+        validator = OffloadedValidator(offload.validate_address, dataset=dataset, fallback=fallback)
+    else:
+        loader = LocalLoader(dataset, batch_size, seed, augment)
+        validator = None
+    rows, pending = [], []
+    start = time.perf_counter()
+    try:
+        for epoch in range(epochs):
+            t0 = time.perf_counter()
+            loader.set_epoch(epoch)
+            model.train()
+            loss_sum, n = 0.0, 0
+            for x, y in loader:
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                loss_sum += loss.item() * len(y)
+                n += len(y)
+            row = {"epoch": epoch, "train_loss": loss_sum / max(n, 1)}
+            if validator is not None:
+                pending.append((row, validator.submit(model, epoch)))
+            else:
+                row.update(_local_metrics(model, spec, dataset))
+            row["seconds"] = time.perf_counter() - t0
+            rows.append(row)
+            if log and validator is None:
+                log(_epoch_line(row))
+        for row, handle in pending:
+            m = handle.result(timeout=600)
+            row.update(val_loss=m["loss"], val_accuracy=m["accuracy"])
+            if log:
+                log(_epoch_line(row))
+    finally:
+        if validator is not None:
+            validator.close()
+    return {"epochs": rows, "seconds": time.perf_counter() - start, "offloaded": bool(offload),
+            "fell_back": bool(offload) and (loader.fell_back or validator.fell_back)}
+
+
+def _local_metrics(model, spec, dataset) -> dict:
+    m = evaluate_snapshot(spec, state_arrays(model), dataset)
+    return {"val_loss": m["loss"], "val_accuracy": m["accuracy"]}
+
+
+def _epoch_line(row) -> str:
+    return (f"epoch {row['epoch']}: train loss {row['train_loss']:.4f}, val loss {row['val_loss']:.4f}, "
+            f"val accuracy {row['val_accuracy']:.3f} ({row['seconds']:.2f} s on the host)")

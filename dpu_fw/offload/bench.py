@@ -1,0 +1,135 @@
+"""``dosa bench offload``: time per epoch with augmentation and validation on the host against the
+same run with both offloaded to the services, host and "DPU" on disjoint CPUs.
+
+Both modes train the same model on the same batches (the pipeline is deterministic, so their losses
+match to the bit: the benchmark checks it), in one process pinned to the host CPU with one torch
+thread; the services are pinned to the DPU CPUs. Modes alternate round by round so that background
+load hits both alike; the medians give the ratio.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+
+from dosa.errors import DosaError
+
+DEFAULT_DATASET = "digits:size=64,channels=3"
+
+
+def _shares(dataset: str, batch_size: int, seed: int, spec: dict, epoch_seconds: float) -> dict:
+    """How much of a host-only epoch is augmentation and validation (measured alone, on the host)."""
+    from host_lib.offload import LocalLoader, _local_metrics
+    from dpu_fw.offload.models import build_model
+
+    loader = LocalLoader(dataset, batch_size, seed, as_numpy=True)
+    t0 = time.perf_counter()
+    for _ in loader:
+        pass
+    aug = time.perf_counter() - t0
+    model = build_model(spec)
+    t0 = time.perf_counter()
+    _local_metrics(model, spec, dataset)
+    val = time.perf_counter() - t0
+    return {"augment_seconds": aug, "validate_seconds": val,
+            "augment_share": aug / epoch_seconds, "validate_share": val / epoch_seconds}
+
+
+def run(dataset: str = DEFAULT_DATASET, epochs: int = 2, rounds: int = 5, batch_size: int = 64,
+        hidden: int = 128, host_cpu: int = 0, dpu_cpus: str = "1", seed: int = 0) -> dict:
+    import torch
+    from dpu_fw.offload._server import parse_cpus
+    from host_lib.offload import OffloadServices, default_model_spec, run_training
+
+    dpu = parse_cpus(dpu_cpus) or set()
+    avail = os.sched_getaffinity(0)
+    if host_cpu in dpu or not ({host_cpu} | dpu) <= avail:
+        raise DosaError(f"host CPU {host_cpu} and DPU CPUs {sorted(dpu)} must be disjoint and "
+                        f"among this process's CPUs {sorted(avail)}")
+    if epochs < 1 or rounds < 1:
+        raise DosaError("epochs and rounds must be at least 1")
+    os.sched_setaffinity(0, {host_cpu})
+    torch.set_num_threads(1)
+    spec = default_model_spec(dataset, hidden=(hidden,))
+    times: dict[str, list[float]] = {"host": [], "offload": []}
+    losses: dict[str, list] = {}
+    with OffloadServices(cpus=dpu_cpus, datasets=[dataset], threads=1) as svc:
+        kw = dict(dataset=dataset, model_spec=spec, batch_size=batch_size, seed=seed)
+        run_training(epochs=1, **kw)  # warm-up: caches, allocator, first-touch
+        run_training(epochs=1, offload=svc, **kw)
+        for r in range(rounds):
+            order = ("host", "offload") if r % 2 == 0 else ("offload", "host")
+            for mode in order:
+                res = run_training(epochs=epochs, offload=svc if mode == "offload" else None, **kw)
+                if res["fell_back"]:
+                    raise DosaError(f"the offload services failed during the benchmark: "
+                                    f"{svc.log('augment')[-300:]} {svc.log('validate')[-300:]}")
+                times[mode].append(res["seconds"] / epochs)
+                losses.setdefault(mode, [round(e["train_loss"], 12) for e in res["epochs"]])
+    host, off = statistics.median(times["host"]), statistics.median(times["offload"])
+    result = {
+        "command": "dosa bench offload " + " ".join(shlex.quote(a) for a in sys.argv[3:])
+        if sys.argv[1:3] == ["bench", "offload"] else " ".join(sys.argv),
+        "setup": "loopback TCP, services as subprocesses; host loop pinned to CPU "
+                 f"{host_cpu}, services to CPU(s) {dpu_cpus}; torch.set_num_threads(1) on each side",
+        "dataset": dataset, "model": spec, "batch_size": batch_size, "epochs_per_run": epochs,
+        "rounds": rounds, "seconds_per_epoch": times,
+        "host_median_s": host, "offload_median_s": off, "ratio": off / host,
+        "reduction_pct": 100.0 * (1 - off / host),
+        # the fastest run of each mode: least disturbed by other processes on a shared machine
+        "host_min_s": min(times["host"]), "offload_min_s": min(times["offload"]),
+        "ratio_min": min(times["offload"]) / min(times["host"]),
+        "same_training_losses": losses.get("host") == losses.get("offload"),
+        "loadavg_1min": os.getloadavg()[0],
+    }
+    result.update(_shares(dataset, batch_size, seed, spec, host))
+    return result
+
+
+def plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise DosaError("--plot needs matplotlib: pip install 'dosa[plot]'") from None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    host, off = result["host_median_s"], result["offload_median_s"]
+    aug, val = result["augment_seconds"], result["validate_seconds"]
+    ax.bar(["host only"], [host - aug - val], label="training step", color="#4c72b0")
+    ax.bar(["host only"], [aug], bottom=[host - aug - val], label="augmentation", color="#dd8452")
+    ax.bar(["host only"], [val], bottom=[host - val], label="validation", color="#55a868")
+    ax.bar(["augment + validate\noffloaded"], [off], color="#8172b3", label="offloaded (host time)")
+    for mode, xpos in (("host", 0), ("offload", 1)):
+        ts = result["seconds_per_epoch"][mode]
+        ax.scatter([xpos] * len(ts), ts, color="black", s=10, zorder=3)
+    ax.set_ylabel("seconds per epoch (median, dots: runs)")
+    ax.set_title(f"{result['dataset']}, batch {result['batch_size']}: "
+                 f"{result['reduction_pct']:.1f}% less time per epoch", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summary(r: dict) -> str:
+    return (f"host only: {r['host_median_s']:.3f} s/epoch, offloaded: {r['offload_median_s']:.3f} s/epoch "
+            f"-> ratio {r['ratio']:.3f} ({r['reduction_pct']:.1f}% less; fastest runs: ratio "
+            f"{r['ratio_min']:.3f}); augmentation is "
+            f"{100 * r['augment_share']:.0f}% and validation {100 * r['validate_share']:.0f}% of a "
+            f"host-only epoch; identical training losses: {r['same_training_losses']}")
+
+
+def main(args) -> int:
+    r = run(args.dataset, args.epochs, args.rounds, args.batch_size, args.hidden, args.host_cpu,
+            args.dpu_cpus, args.seed)
+    print(summary(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    if args.plot:
+        plot(r, args.plot)
+    return 0
