@@ -85,13 +85,19 @@ class JobRuntime:
         self.shadow[(lp, rnd)] = (batch, nz)
         return batch
 
-    def complete(self, lp: int, rnd: int, ep: UdpEndpoint) -> None:
-        """Round ``rnd`` of local partition ``lp`` completed: advance if it was base+1, then emit."""
+    def _settle(self, lp: int, rnd: int) -> None:
+        """Before round ``rnd``'s result goes out: if it is base_round + 1, every host has moved past
+        the base round, so clear that and advance (docs/protocol.md). Also called when answering a
+        retransmission, so a worker killed between a completion and its advance repairs itself."""
         if rnd == self.backend.base_round(lp) + 1:
             old = self.shadow.pop((lp, rnd - 1), None)
             self.backend.advance(lp, rnd, None if old is None else old[1])
             for key in [k for k in self.shadow if k[0] == lp and k[1] < rnd]:
                 del self.shadow[key]
+
+    def complete(self, lp: int, rnd: int, ep: UdpEndpoint) -> None:
+        """Round ``rnd`` of local partition ``lp`` completed: advance if it was base+1, then emit."""
+        self._settle(lp, rnd)
         batch = self.result(lp, rnd)
         n, h = len(batch), len(self.host_ip)
         rows = np.repeat(np.arange(n), h)  # packet-major: each packet to every host in turn
@@ -106,6 +112,7 @@ class JobRuntime:
             st = status_packet(self.job.job_id, p, rnd, self.backend.missing_workers(lp, rnd))
             ep.send(st, [0], self.host_ip[[worker]], self.host_port[[worker]])
             return "status_sent"
+        self._settle(lp, rnd)
         batch = self.result(lp, rnd)
         rows = np.arange(len(batch))
         if seqs is not None and len(seqs):
@@ -122,38 +129,68 @@ class DpuWorker:
 
     def __init__(self, jobs: list[JobConfig], dpu_index: int, *, mode: str = "userspace",
                  bind: tuple[str, int] | None = None, state_dir: str | None = None,
-                 instance: str | None = None):
+                 instance: str | None = None, discover=None):
+        """``discover``: optional ``f() -> [JobConfig]`` polled twice a second for jobs installed
+        after start (XDP mode: the dataplane's maps; userspace: the control plane)."""
         if mode not in MODES:
             raise DosaError(f"mode must be one of {MODES}, got {mode!r}")
-        if not jobs:
-            raise DosaError("a DPU worker needs at least one job")
-        for j in jobs:
-            if not 0 <= dpu_index < len(j.dpus):
-                raise DosaError(f"job {j.job_id} has {len(j.dpus)} DPUs; index {dpu_index} is not one")
+        if bind is None:
+            if not jobs:
+                raise DosaError("give the address to listen on, or a job config that names it")
+            bind = jobs[0].dpus[dpu_index]
         self.mode = mode
         self.dpu_index = dpu_index
+        self.state_dir = state_dir
         self.stats = collections.Counter()
         self._stop = threading.Event()
         self.maps = None
-        if bind is None:
-            bind = jobs[0].dpus[dpu_index]
+        self.discover = discover
+        self._next_discover = 0.0
         self.jobs: dict[int, JobRuntime] = {}
         if mode == "xdp":
-            from .xdp_backend import XdpBackend, open_maps
+            from .xdp_backend import open_maps
 
             self.maps = open_maps(instance)
-        for j in jobs:
-            pmap = j.pmap
-            owned = pmap.owned_by(dpu_index)
-            if mode == "userspace":
-                lo = owned * pmap.partition_size
-                hi = np.minimum(lo + pmap.partition_size, pmap.numel)
-                sd = None if state_dir is None else f"{state_dir}/job{j.job_id}-dpu{dpu_index}"
-                backend = UserspaceBackend(MergeState(owned, lo, hi, j.workers, pmap.partition_size, sd))
-            else:
-                backend = XdpBackend(self.maps, j, owned)
-            self.jobs[j.job_id] = JobRuntime(j, dpu_index, backend)
-        self.ep = UdpEndpoint(bind)
+        try:
+            for j in jobs:
+                self.add_job(j)
+            self.ep = UdpEndpoint(bind)
+        except BaseException:
+            if self.maps is not None:
+                self.maps.close()
+            raise
+
+    def add_job(self, j: JobConfig) -> None:
+        """Serve job ``j`` (its partitions owned by this DPU) from now on."""
+        if not 0 <= self.dpu_index < len(j.dpus):
+            raise DosaError(f"job {j.job_id} has {len(j.dpus)} DPUs; index {self.dpu_index} is not one")
+        pmap = j.pmap
+        owned = pmap.owned_by(self.dpu_index)
+        if self.mode == "userspace":
+            lo = owned * pmap.partition_size
+            hi = np.minimum(lo + pmap.partition_size, pmap.numel)
+            sd = None if self.state_dir is None else \
+                f"{self.state_dir}/job{j.job_id}-dpu{self.dpu_index}"
+            backend = UserspaceBackend(MergeState(owned, lo, hi, j.workers, pmap.partition_size, sd))
+        else:
+            from .xdp_backend import XdpBackend
+
+            backend = XdpBackend(self.maps, j, owned)
+        self.jobs[j.job_id] = JobRuntime(j, self.dpu_index, backend)
+        log.info("DPU %d serves job %d (%s mode, %d workers, %d partitions owned)", self.dpu_index,
+                 j.job_id, self.mode, j.workers, len(owned))
+
+    def _discover(self) -> None:
+        now = time.monotonic()
+        if self.discover is None or now < self._next_discover:
+            return
+        self._next_discover = now + 0.5
+        for j in self.discover():
+            if j.job_id not in self.jobs:
+                try:
+                    self.add_job(j)
+                except DosaError as e:
+                    log.warning("cannot serve job %d: %s", j.job_id, e)
 
     # ------------------------------------------------------------------ main loop
     def stop(self, *_):
@@ -168,6 +205,7 @@ class DpuWorker:
             rt.backend.flush()
 
     def step(self, timeout: float) -> None:
+        self._discover()
         if self.maps is not None:
             for c in self.maps.poll_completions(0):
                 self._on_completion(c.job_id, c.partition, c.round)

@@ -94,14 +94,17 @@ class AggregationClient:
         retx_interval: seconds before a partition's packets (or missing results) are re-requested.
         window: partitions in flight at once (bounds the DPU's and the socket's backlog).
         density: fraction of entries ``allreduce(array)`` sends (default: the job's).
+        shuffle_sends: send every batch in random order (a test aid: reordering where the kernel
+            has no netem; the protocol must not care).
     Example:
         >>> with AggregationClient(job, worker_id=0) as c:
         ...     total = c.allreduce(grad)          # float32 sum over all hosts
     """
 
     def __init__(self, job: JobConfig | None = None, *, worker_id: int, control=None,
-                 timeout: float = 10.0, retx_interval: float = 0.05, window: int = 256,
-                 density: float | None = None, bind: tuple[str, int] | None = None, numel=None):
+                 timeout: float = 10.0, retx_interval: float = 0.1, window: int = 256,
+                 density: float | None = None, bind: tuple[str, int] | None = None, numel=None,
+                 shuffle_sends: bool = False):
         if job is None:
             if control is None:
                 raise DosaError("give either an explicit job config or control=(addr, port)")
@@ -126,6 +129,7 @@ class AggregationClient:
         self._encoder: _TopK | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.retransmissions = 0
+        self._rng = np.random.default_rng() if shuffle_sends else None
         self.last_missing: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ public API
@@ -267,10 +271,15 @@ class _Round:
             return
         hi = min(self.P, self.next + room)
         rows = np.arange(self.pk_start[self.next], self.pk_start[hi])
-        self.c.ep.send_to_table(self.batch, self.c.dpu_table, rows)
+        self._send(rows)
         self.sent[self.next:hi] = True
         self.last_tx[self.next:hi] = time.monotonic()
         self.next = hi
+
+    def _send(self, rows: np.ndarray) -> None:
+        if self.c._rng is not None:
+            rows = self.c._rng.permutation(rows)
+        self.c.ep.send_to_table(self.batch, self.c.dpu_table, rows)
 
     def _absorb(self, b: PacketBatch, sip) -> bool:
         """Take the new result packets of this round out of a received batch; True on progress."""
@@ -311,7 +320,7 @@ class _Round:
 
     def _retransmit(self, now: float) -> None:
         c = self.c
-        backoff = np.minimum(2.0 ** np.minimum(self.tries, 4), 8.0)
+        backoff = 2.0 ** np.minimum(self.tries, 2)
         due = np.flatnonzero(self.sent & ~self.done & (now - self.last_tx > c.retx_interval * backoff))
         if not len(due):
             return
@@ -328,7 +337,7 @@ class _Round:
             r = np.concatenate(rows)
             hdr = self.batch.data.view(HEADER_DTYPE)[:, 0]
             hdr["flags"][r] = hdr["flags"][r] | int(Flags.RETRANSMIT)
-            c.ep.send_to_table(self.batch, c.dpu_table, r)
+            self._send(r)
             c.retransmissions += len(r)
         if reqs:
             rb = PacketBatch.from_packets([q for q, _ in reqs], dest=[d for _, d in reqs])

@@ -1,0 +1,141 @@
+"""``dosa dpu run`` (the DPU worker) and ``dosa bench allreduce``."""
+from __future__ import annotations
+
+import logging
+import os
+
+from dosa.errors import DosaError
+
+
+def _addr(s: str) -> tuple[str, int]:
+    host, _, port = s.rpartition(":")
+    if not host or not port.isdigit():
+        raise DosaError(f"expected ADDR:PORT, got {s!r}")
+    return host, int(port)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("dpu", help="DPU-side services")
+    dsub = p.add_subparsers(dest="dpu_cmd", metavar="CMD")
+    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+    r = dsub.add_parser("run", help="run the DPU worker (results, shadow copies, retransmission; "
+                                    "userspace mode also merges)")
+    r.add_argument("--mode", choices=("xdp", "userspace"), default="xdp")
+    r.add_argument("--job-config", action="append", default=[], metavar="FILE",
+                   help="a job's JSON config (host_lib.transport.JobConfig); repeatable")
+    r.add_argument("--dpu-index", type=int, default=None,
+                   help="this DPU's index in the jobs' DPU list (default: found from --addr)")
+    r.add_argument("--addr", help="IPv4 address to listen on (default: the job config's)")
+    r.add_argument("--port", type=int, help="UDP port (default: the job config's)")
+    r.add_argument("--iface", help="the DPU's interface (informational; XDP is attached by the control plane)")
+    r.add_argument("--instance", help="dataplane instance whose pinned maps to open (XDP mode)")
+    r.add_argument("--pin-dir", help="pin directory of the dataplane instance (its last component is "
+                                     "the instance name)")
+    r.add_argument("--control", type=_addr, metavar="ADDR:PORT",
+                   help="control plane API to learn jobs from (in XDP mode jobs are also read from the maps)")
+    r.add_argument("--state-dir", help="userspace mode: keep merge state in files here so a restarted "
+                                       "worker continues (e.g. /dev/shm/dosa-dpu0)")
+    r.add_argument("--gtopk-density", type=float, default=0.01,
+                   help="density of gtopk jobs discovered from the dataplane maps (default 0.01)")
+    r.add_argument("--pid-file", help="written with the worker's pid once it is ready")
+    r.add_argument("--duration", type=float, help="stop after this many seconds")
+    r.add_argument("-v", "--verbose", action="store_true")
+    r.set_defaults(func=cmd_run)
+
+
+def cmd_run(args) -> int:
+    from host_lib.transport import JobConfig
+
+    from .worker import DpuWorker, install_signal_handlers
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s dpu %(levelname)s %(message)s")
+    jobs = [JobConfig.load(f) for f in args.job_config]
+    idx = args.dpu_index
+    if idx is None:
+        if jobs and args.addr:
+            found = [i for i, (a, _) in enumerate(jobs[0].dpus) if a == args.addr]
+            if not found:
+                raise DosaError(f"{args.addr} is not one of job {jobs[0].job_id}'s DPUs")
+            idx = found[0]
+        elif jobs:
+            idx = 0
+    bind = None
+    if args.addr or args.port:
+        if jobs and idx is not None:
+            da, dp = jobs[0].dpus[idx]
+        else:
+            da, dp = "0.0.0.0", None
+        bind = (args.addr or da, args.port or dp)
+        if bind[1] is None:
+            from dosa.wire import DEFAULT_PORT
+            bind = (bind[0], DEFAULT_PORT)
+    instance = args.instance
+    if instance is None and args.pin_dir:
+        instance = os.path.basename(os.path.normpath(args.pin_dir))
+    discover = None
+    if args.mode == "xdp" and not jobs:
+        if bind is None:
+            raise DosaError("XDP mode without --job-config needs --addr (and --port)")
+        from .xdp_backend import jobs_from_maps
+
+        holder = {}
+
+        def discover():
+            w = holder["w"]
+            return [j for j in jobs_from_maps(w.maps, bind, args.gtopk_density)]
+    elif not jobs:
+        raise DosaError("userspace mode needs --job-config (joining jobs through --control is not "
+                        "supported by this worker yet)")
+    if idx is None:
+        idx = 0
+    worker = DpuWorker(jobs, idx, mode=args.mode, bind=bind, state_dir=args.state_dir,
+                       instance=instance, discover=discover)
+    if discover is not None:
+        holder["w"] = worker
+        # the dataplane's own index of this DPU (in the job entry) wins over the CLI's default
+        worker.dpu_index = _dpu_index_from_maps(worker, idx)
+    install_signal_handlers(worker)
+    if args.pid_file:
+        with open(args.pid_file, "w") as f:
+            f.write(f"{os.getpid()}\n")
+    try:
+        worker.run(args.duration)
+    finally:
+        worker.close()
+        if args.pid_file:
+            try:
+                os.unlink(args.pid_file)
+            except OSError:
+                pass
+        if args.verbose:
+            print({k: v for k, v in worker.stats.items() if v})
+    return 0
+
+
+def _dpu_index_from_maps(worker, default: int) -> int:
+    try:
+        infos = worker.maps.jobs()
+    except Exception:  # noqa: BLE001 - the default is fine when the maps cannot be listed
+        return default
+    return infos[0].dpu_index if infos else default
+
+
+def register_bench(bench_sub) -> None:
+    b = bench_sub.add_parser("allreduce", help="time dosa allreduce through the DPU (XDP and userspace paths)")
+    b.add_argument("--hosts", type=int, default=4)
+    b.add_argument("--dpus", type=int, default=1)
+    b.add_argument("--numel", type=int, default=25_000_000)
+    b.add_argument("--density", type=float, default=0.01)
+    b.add_argument("--rounds", type=int, default=5, help="timed rounds (after --warmup)")
+    b.add_argument("--warmup", type=int, default=2)
+    b.add_argument("--paths", default="xdp,userspace", help="comma list of xdp,userspace")
+    b.add_argument("--mode", choices=("sum", "gtopk"), default="sum")
+    b.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    b.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)

@@ -1,0 +1,98 @@
+"""The DPU worker's state backend in XDP mode: the dataplane's pinned maps (dataplane.maps).
+
+The XDP program merged the data; this adapter gives the worker the same view the userspace
+MergeState gives (base round, completeness, missing workers, the zero-copy buffer, advance), so
+dpu_fw.worker has one code path for both modes. Because everything lives in pinned maps, a worker
+that is killed and restarted re-opens them and continues: completions it never consumed stay in the
+ring buffer, results it never sent are rebuilt from the (not yet cleared) buffer.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dosa.errors import DosaError
+from host_lib.transport import JobConfig
+
+
+def open_maps(instance: str | None):
+    try:
+        from dataplane.maps import DataplaneMaps
+    except ImportError as e:
+        raise DosaError(f"XDP mode needs the dataplane package ({e}); use --mode userspace") from None
+    return DataplaneMaps.open(instance or "default")
+
+
+def jobs_from_maps(maps, my_addr: tuple[str, int], density: float = 0.01) -> list[JobConfig]:
+    """JobConfigs of every job installed in the dataplane, built from its maps alone (jobs +
+    flows): what a worker started without a job file serves. Other DPUs' addresses are not in this
+    DPU's maps and a worker never needs them: they are filled with this DPU's own address."""
+    from dataplane.maps import MODE_GTOPK
+
+    out = []
+    for j in maps.jobs():
+        flows = maps.flows(j.job_id)
+        if len(flows) < j.workers:
+            continue  # not every worker has joined yet: nothing can complete
+        hosts = [flows[(j.job_id, w)] for w in range(j.workers)]
+        out.append(JobConfig(job_id=j.job_id, numel=j.numel, hosts=hosts,
+                             dpus=[my_addr] * j.num_dpus, partition_size=j.partition_size,
+                             mode="gtopk" if j.mode == MODE_GTOPK else "sum", density=density,
+                             scale_exp=j.scale_exp))
+    return out
+
+
+class XdpBackend:
+    def __init__(self, maps, job: JobConfig, owned: np.ndarray):
+        self.maps = maps
+        self.job_id = job.job_id
+        self.owned = owned
+        info = maps.job_info(job.job_id)
+        if info is None:
+            raise DosaError(f"job {job.job_id} is not installed in the dataplane; install it with "
+                            "the control plane first")
+        if (info.numel, info.partition_size, info.workers, info.num_dpus) != \
+                (job.numel, job.partition_size, job.workers, len(job.dpus)):
+            raise DosaError(f"job {job.job_id} in the dataplane (numel {info.numel}, partition size "
+                            f"{info.partition_size}, {info.workers} workers, {info.num_dpus} DPUs) "
+                            "differs from the job config given to the worker")
+        self.info = info
+        self.bias = 256  # DOSA_SCALE_TAG_BIAS (dataplane/dosa_state.h)
+        try:
+            from dataplane import layout
+            self.bias = layout.SCALE_TAG_BIAS
+        except (ImportError, AttributeError):
+            pass
+
+    def _ps(self, lp: int):
+        return self.maps.pstate[self.info.pstate_off + lp]
+
+    def base_round(self, lp: int) -> int:
+        return int(self._ps(lp)["base_round"])
+
+    def in_window(self, lp: int, rnd: int) -> bool:
+        b = self.base_round(lp)
+        return b <= rnd <= b + 1
+
+    def is_complete(self, lp: int, rnd: int) -> bool:
+        return self.in_window(lp, rnd) and int(self._ps(lp)["workers_done"][rnd & 1]) >= self.info.workers
+
+    def missing_workers(self, lp: int, rnd: int) -> list[int]:
+        j = self.info
+        start = j.wstate_off + (lp * 2 + (rnd & 1)) * j.workers
+        ws = self.maps.wstate[start:start + j.workers]
+        total = ws["total"].astype(np.int64)
+        missing = (total == 0) | (ws["received"].astype(np.int64) < total)
+        return np.flatnonzero(missing).tolist()
+
+    def buffer(self, lp: int, rnd: int) -> np.ndarray:
+        return self.maps.buffer(self.job_id, int(self.owned[lp]), rnd, job=self.info)
+
+    def scale_exp(self, lp: int, rnd: int) -> int:
+        tag = int(self._ps(lp)["scale_tag"][rnd & 1])
+        return tag - self.bias if tag else 0
+
+    def advance(self, lp: int, rnd: int, nonzero) -> None:
+        self.maps.advance(self.job_id, int(self.owned[lp]), rnd)
+
+    def flush(self) -> None:
+        pass

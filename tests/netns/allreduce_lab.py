@@ -1,0 +1,152 @@
+"""A small namespace topology for the allreduce tests: H host namespaces and M DPU namespaces joined
+by a Linux bridge in a fabric namespace, optional loss/duplication on every link (testbed.impair's
+tc BPF program: this kernel has no netem), DPU workers and host processes started inside them.
+
+Everything is created through the ``netns_factory`` fixture, so all of it is deleted at teardown
+(processes are killed with their namespaces), also when a test fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from host_lib.transport import JobConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+HOST_MAIN = Path(__file__).with_name("allreduce_host.py")
+PORT = 17791
+
+
+def _run(*argv, check=True):
+    p = subprocess.run(list(argv), capture_output=True, text=True)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed: {p.stderr.strip()}")
+    return p
+
+
+class Lab:
+    def __init__(self, netns_factory, hosts: int = 4, dpus: int = 1, loss_pct: float = 0.0,
+                 dup_pct: float = 0.0, subnet: str = "10.231.7"):
+        self.tmp = Path(tempfile.mkdtemp(prefix="dosa-lab-"))
+        self.fab = netns_factory("fab")
+        _run("ip", "-n", self.fab, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.fab, "link", "set", "br0", "up")
+        self.host_ns, self.dpu_ns = [], []
+        self.host_addr = [f"{subnet}.{10 + i}" for i in range(hosts)]
+        self.dpu_addr = [f"{subnet}.{100 + d}" for d in range(dpus)]
+        obj = None
+        if loss_pct or dup_pct:
+            from testbed import impair
+            from testbed.shaping import Shaping
+
+            obj = impair.build(Shaping(loss_pct=loss_pct, dup_pct=dup_pct), self.tmp)
+        for kind, addrs, lst in (("h", self.host_addr, self.host_ns), ("d", self.dpu_addr, self.dpu_ns)):
+            for i, a in enumerate(addrs):
+                ns = netns_factory(f"{kind}{i}")
+                port = f"p{kind}{i}"
+                _run("ip", "-n", self.fab, "link", "add", port, "type", "veth", "peer", "name", "eth0",
+                     "netns", ns)
+                _run("ip", "-n", self.fab, "link", "set", port, "master", "br0", "up")
+                _run("ip", "-n", ns, "addr", "add", f"{a}/24", "dev", "eth0")
+                _run("ip", "-n", ns, "link", "set", "eth0", "up")
+                if obj is not None:
+                    impair.attach(self.fab, port, obj)
+                lst.append(ns)
+        self.procs: list[subprocess.Popen] = []
+
+    def job(self, job_id=5, numel=200_000, partition_size=16384, mode="sum", density=0.01,
+            scale_exp=10) -> JobConfig:
+        return JobConfig(job_id=job_id, numel=numel, hosts=[(a, PORT) for a in self.host_addr],
+                         dpus=[(a, PORT) for a in self.dpu_addr], partition_size=partition_size,
+                         mode=mode, density=density, scale_exp=scale_exp)
+
+    def write_job(self, job: JobConfig) -> str:
+        path = str(self.tmp / f"job{job.job_id}.json")
+        job.save(path)
+        return path
+
+    def _env(self):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        return env
+
+    def start_dpu(self, d: int, job_file: str, mode: str = "userspace", extra=()) -> subprocess.Popen:
+        argv = ["ip", "netns", "exec", self.dpu_ns[d], sys.executable, "-m", "dosa", "dpu", "run",
+                "--mode", mode, "--job-config", job_file, "--dpu-index", str(d), *extra]
+        log = open(self.tmp / f"dpu{d}.log", "a")
+        p = subprocess.Popen(argv, cwd=ROOT, env=self._env(), stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        self.procs.append(p)
+        self._wait_bound(self.dpu_ns[d], PORT, p)
+        return p
+
+    def _wait_bound(self, ns: str, port: int, p: subprocess.Popen, timeout: float = 20.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if p.poll() is not None:
+                raise RuntimeError(f"DPU worker exited with {p.returncode}: {self.logs()}")
+            out = _run("ip", "netns", "exec", ns, "ss", "-Hunl", f"sport = :{port}", check=False).stdout
+            if out.strip():
+                return
+            time.sleep(0.05)
+        raise RuntimeError("DPU worker did not bind in time")
+
+    def start_hosts(self, job_file: str, extra=(), per_host=None) -> list[subprocess.Popen]:
+        ps = []
+        for w, ns in enumerate(self.host_ns):
+            more = list(per_host(w)) if per_host else []
+            argv = ["ip", "netns", "exec", ns, sys.executable, str(HOST_MAIN), "--job-config", job_file,
+                    "--worker-id", str(w), "--out", str(self.tmp / f"host{w}.json"), *extra, *more]
+            log = open(self.tmp / f"host{w}.log", "w")
+            p = subprocess.Popen(argv, cwd=ROOT, env=self._env(), stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            self.procs.append(p)
+            ps.append(p)
+        return ps
+
+    def wait_hosts(self, ps, timeout: float) -> list[dict]:
+        end = time.monotonic() + timeout
+        for p in ps:
+            try:
+                p.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill_all()
+                raise AssertionError(f"hosts did not finish in {timeout} s: {self.logs()}")
+        out = []
+        for w in range(len(ps)):
+            f = self.tmp / f"host{w}.json"
+            out.append(json.loads(f.read_text()) if f.exists() else {"exit": ps[w].returncode})
+        return out
+
+    def run_hosts(self, job_file: str, timeout: float, extra=(), per_host=None) -> list[dict]:
+        return self.wait_hosts(self.start_hosts(job_file, extra, per_host), timeout)
+
+    def logs(self) -> str:
+        parts = []
+        for f in sorted(self.tmp.glob("*.log")):
+            parts.append(f"--- {f.name}\n{f.read_text()[-3000:]}")
+        return "\n".join(parts)
+
+    def kill(self, p: subprocess.Popen, sig=signal.SIGKILL) -> None:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+            p.wait(10)
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            self.kill(p)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                self.kill(p, signal.SIGTERM)
+        _run("rm", "-rf", str(self.tmp), check=False)
