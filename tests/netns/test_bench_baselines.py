@@ -1,0 +1,86 @@
+"""The benchmark at tiny sizes: real Gloo processes (loopback, and a testbed's host namespaces), the
+raw packet-rate measurement over a veth pair, and the JSON document ``dosa bench allreduce`` writes.
+Every method's result is checked against the float64 reference sum by every rank."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+
+import pytest
+
+from host_lib.bench import baselines as B
+from host_lib.bench import gradients as G
+from host_lib.bench import limit as L
+from host_lib.bench import report as R
+from host_lib.bench import runner
+
+pytest.importorskip("torch")
+
+
+def _args(**kw):
+    ap = argparse.ArgumentParser()
+    runner.add_arguments(ap)
+    a = ap.parse_args([])
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+@pytest.mark.timeout(60)
+def test_bench_loopback_schema_and_sums(tmp_path):
+    """3 Gloo processes, 10k entries: JSON/PNG written, every method checked against the reference."""
+    args = _args(hosts=[3], numel=10_000, density=0.02, rounds=2, warmup=1, packet_rate_seconds=0,
+                 json=str(tmp_path / "b.json"), plot=str(tmp_path / "b.png"), timeout=50)
+    lines = []
+    doc = runner.run_bench(args, progress=lines.append)
+    disk = json.loads((tmp_path / "b.json").read_text())
+    R.validate(disk)
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    assert any("overlap" in ln for ln in lines)  # progress was reported
+    run = disk["runs"][0]
+    assert run["hosts"] == 3 and set(run["methods"]) == {"gloo_dense", "gloo_sparse_allgather", "limit"}
+    assert 0 < run["overlap"]["mean_pairwise_jaccard"] < 1
+    for name in B.METHODS:
+        rec = run["methods"][name]
+        assert rec["check"]["ok"] and rec["check"]["ranks_checked"] == 3, rec["check"]
+        for ph in ("transport", "end_to_end"):
+            assert len(rec[ph]["rounds_s"]) == 2
+            assert 0 < rec[ph]["min_s"] <= rec[ph]["median_s"] <= rec[ph]["max_s"]
+        assert rec["bytes_per_host"]["sent"] > 0
+    assert run["methods"]["gloo_sparse_allgather"]["check_end_to_end"]["ok"]
+    assert run["methods"]["gloo_dense"]["bytes_per_host"]["sent"] == round(2 * 2 / 3 * 10_000 * 4)
+    assert set(doc["methods"]) == set(run["methods"])
+
+
+@pytest.mark.root
+@pytest.mark.timeout(60)
+def test_packet_rate_over_own_veth_pair():
+    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    pr = L.measure_packet_rate(0.3)
+    after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    assert pr["sent"] > 1000 and 0 < pr["received"] <= pr["sent"]
+    assert pr["pps"] > 0 and pr["gbit_s"] > 0
+    assert not {n for n in after - before if n.startswith("dpr")}  # its namespaces are gone
+
+
+@pytest.mark.root
+@pytest.mark.timeout(90)
+def test_baselines_in_testbed_namespaces():
+    """2 ranks, each in its own host namespace of a shaped testbed: results still equal the sum."""
+    from testbed.core import Testbed
+
+    tb = Testbed(prefix="tbench")
+    tb.down()  # a previous crashed run of this test
+    tb.up(hosts=2, dpus=1, link_rate="1gbit", cpu_split=True, services=False)
+    wd = None
+    try:
+        wd = B.prepare_workdir(G.make_gradients(2, 10_000, 0.5), 0.05)
+        res = B.run_baselines(wd, rounds=2, warmup=1, testbed=tb, timeout=70, progress=lambda m: None)
+        for name in B.METHODS:
+            assert res[name]["check"]["ok"], res[name]["check"]
+    finally:
+        tb.down()
+        if wd is not None:
+            B._rm_workdir(wd)
+    assert not tb.existing_namespaces()
