@@ -261,6 +261,12 @@ class Testbed:
         if pins:
             shutil.rmtree(self.pin_dir, ignore_errors=True)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        # the control plane's records of this testbed's dataplane instances (control.controller
+        # names them after the pin directory: /run/dosa/sys_fs_bpf_<prefix>_<dpu>.json/.lock)
+        tag = str(self.pin_dir).strip("/").replace("/", "_")
+        for f in Path(config.STATE_DIR).glob(f"{tag}_*"):
+            if f.suffix in (".json", ".lock"):
+                f.unlink(missing_ok=True)
         had_state = state.remove(self.state_path)
         return {"prefix": self.prefix, "namespaces": sorted(names), "processes": len(victims),
                 "pin_dir_removed": pins, "state_file_removed": had_state}

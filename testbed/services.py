@@ -51,17 +51,20 @@ class DpuContext:
 def dpu_services(ctx: DpuContext) -> list[ServiceSpec]:
     """The control plane and the DPU worker of one DPU, in start order."""
     dosa = [*ctx.python, "-m", "dosa"]
+    # --instance is the absolute pin directory: the dataplane pins its program and maps there, so
+    # each DPU (and each testbed prefix) has its own and `down` removes them with the prefix dir
     ctl = ServiceSpec(
         name="ctl",
-        argv=[*dosa, "ctl", "serve", "--iface", ctx.iface, "--addr", ctx.address,
-              "--listen", f"{ctx.address}:{ctx.control_port}", "--port", str(ctx.data_port),
-              "--mode", ctx.mode, "--pin-dir", ctx.pin_dir],
+        argv=[*dosa, "ctl", "serve", "--instance", ctx.pin_dir, "--iface", ctx.iface,
+              "--addr", ctx.address, "--listen", f"{ctx.address}:{ctx.control_port}",
+              "--port", str(ctx.data_port), "--mode", ctx.mode, "--dpu-index", str(ctx.index)],
         ready=("tcp", ctx.control_port))
+    ready = f"{ctx.run_dir}/dpu{ctx.index}-worker.ready"  # dpu run writes it once it is ready
     worker = ServiceSpec(
         name="dpu",
-        argv=[*dosa, "dpu", "run", "--iface", ctx.iface, "--addr", ctx.address,
-              "--port", str(ctx.data_port), "--mode", ctx.mode, "--pin-dir", ctx.pin_dir,
-              "--control", f"{ctx.address}:{ctx.control_port}",
-              "--pid-file", f"{ctx.run_dir}/dpu{ctx.index}-worker.ready"],
-        ready=("file", f"{ctx.run_dir}/dpu{ctx.index}-worker.ready"))
+        argv=[*dosa, "dpu", "run", "--instance", ctx.pin_dir, "--iface", ctx.iface,
+              "--addr", ctx.address, "--port", str(ctx.data_port), "--mode", ctx.mode,
+              "--dpu-index", str(ctx.index), "--control", f"{ctx.address}:{ctx.control_port}",
+              "--pid-file", ready],
+        ready=("file", ready))
     return [ctl, worker]
