@@ -150,6 +150,13 @@ def table(doc: dict) -> str:
         lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
         lines.append("  ".join("-" * w for w in widths))
         lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+        lim = ms.get("limit")
+        if isinstance(lim, dict) and "link_s" in lim:
+            pps = lim.get("packet_rate_pps")
+            lines.append(
+                f"limit = max(link {_fmt_s(lim['link_s'])} on {lim.get('busiest_link') or 'no shaped link'}, "
+                f"packets {_fmt_s(lim['packets_s'])}: {lim['busiest_sender']} sends "
+                f"{lim['busiest_sender_packets']} at " + (f"{pps:.0f} packets/s measured)" if pps else "an unmeasured rate)"))
         lines.append("")
     if len(doc["runs"]) > 1:
         names = ordered({m: 1 for run in doc["runs"] for m in run["methods"]})
