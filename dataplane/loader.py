@@ -51,13 +51,21 @@ class LoadConfig:
 
 
 def check_instance(instance: str) -> str:
+    if instance and instance.startswith("/"):
+        p = os.path.normpath(instance)
+        if not p.startswith(BPFFS + "/") or not _INSTANCE_RE.match(os.path.basename(p)):
+            raise DosaError(f"pin directory {instance!r} must be a directory under {BPFFS}/")
+        return p
     if not _INSTANCE_RE.match(instance or ""):
         raise DosaError(f"instance name {instance!r} must be 1-48 letters, digits, '.', '_' or '-'")
     return instance
 
 
 def pin_dir(instance: str) -> str:
-    return f"{PIN_ROOT}/{check_instance(instance)}"
+    """Pin directory of an instance: ``/sys/fs/bpf/dosa/<name>``, or the instance itself when it is
+    an absolute path under /sys/fs/bpf (the testbed gives each DPU its own pin directory)."""
+    instance = check_instance(instance)
+    return instance if instance.startswith("/") else f"{PIN_ROOT}/{instance}"
 
 
 def is_loaded(instance: str) -> bool:
@@ -130,10 +138,11 @@ def unload(instance: str) -> bool:
     for entry in os.listdir(d):
         os.unlink(f"{d}/{entry}")
     os.rmdir(d)
-    try:
-        os.rmdir(PIN_ROOT)  # only when no other instance is left
-    except OSError:
-        pass
+    if d.startswith(PIN_ROOT + "/"):
+        try:
+            os.rmdir(PIN_ROOT)  # only when no other instance is left
+        except OSError:
+            pass
     return True
 
 

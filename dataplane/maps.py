@@ -34,9 +34,10 @@ from . import layout, libbpf, loader, reasons
 COMPLETION_FMT = struct.Struct("<IIHbBI")
 assert COMPLETION_FMT.size == ctypes.sizeof(layout.Completion_)
 
-MODE_SPARSE = 0  # plain sparse allreduce
+MODE_SUM = 0  # exact sums of every index any worker sent
+MODE_SPARSE = MODE_SUM
 MODE_GTOPK = 1  # results carry only the k largest sums (the DPU worker applies it)
-MODES = {"sparse": MODE_SPARSE, "gtopk": MODE_GTOPK}
+MODES = {"sum": MODE_SUM, "gtopk": MODE_GTOPK}  # names as in host_lib.transport.JobConfig.mode
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,242 @@
+"""``dosa ctl ...``: attach/detach the dataplane, install jobs and workers, read counters, serve the
+join API. Every failure a user can cause is one DosaError sentence (no traceback)."""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+
+from dosa import wire
+from dosa.errors import DosaError
+
+
+def _instance(args) -> str:
+    return args.pin_dir or args.instance
+
+
+def _common(p) -> None:
+    p.add_argument("--instance", default="default",
+                   help="dataplane instance name (pins in /sys/fs/bpf/dosa/NAME; default: default)")
+    p.add_argument("--pin-dir", help="pin directory under /sys/fs/bpf instead of an instance name")
+
+
+def _hostport(s: str) -> tuple[str, int]:
+    host, _, port = s.rpartition(":")
+    if not host or not port.isdigit():
+        raise DosaError(f"expected ADDR:PORT, got {s!r}")
+    return host, int(port)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("ctl", help="control plane: attach the XDP dataplane, jobs, workers, counters")
+    csub = p.add_subparsers(dest="ctl_cmd", metavar="CMD")
+    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+
+    a = csub.add_parser("attach", help="load (if needed) and attach the XDP dataplane to an interface")
+    _common(a)
+    a.add_argument("--iface", "--dev", dest="iface", required=True, help="network interface")
+    a.add_argument("--netns", help="network namespace of the interface (ip netns name)")
+    a.add_argument("--xdp-mode", choices=("auto", "native", "skb"), default="auto")
+    a.add_argument("--port", type=int, default=wire.DEFAULT_PORT, help="UDP port carrying dosa")
+    a.add_argument("--pool-slots", type=int, default=1 << 22, help="aggregation pool size (s64 slots)")
+    a.add_argument("--pstate-slots", type=int, default=65536, help="owned (job, partition) states")
+    a.add_argument("--wstate-slots", type=int, default=262144, help="(partition, parity, worker) states")
+    a.set_defaults(func=cmd_attach)
+
+    d = csub.add_parser("detach", help="detach the dataplane (and unload it after the last interface)")
+    _common(d)
+    d.add_argument("--iface", "--dev", dest="iface", required=True)
+    d.add_argument("--netns")
+    d.add_argument("--keep-state", action="store_true", help="keep the pinned maps (jobs, buffers)")
+    d.set_defaults(func=cmd_detach)
+
+    j = csub.add_parser("job", help="install / remove / list jobs")
+    jsub = j.add_subparsers(dest="job_cmd", metavar="CMD")
+    j.set_defaults(func=lambda a: (j.print_help(), 2)[1])
+    ja = jsub.add_parser("add", help="install a job in this DPU's dataplane")
+    _common(ja)
+    ja.add_argument("--job", type=int, required=True, help="job id (1..2^32-1)")
+    ja.add_argument("--workers", type=int, required=True)
+    ja.add_argument("--numel", type=int, required=True)
+    ja.add_argument("--partition-size", type=int, default=wire.DEFAULT_PARTITION_SIZE)
+    ja.add_argument("--num-dpus", type=int, default=1)
+    ja.add_argument("--dpu-index", type=int, default=0)
+    ja.add_argument("--scale-exp", type=int, default=16)
+    ja.add_argument("--mode", choices=("sum", "gtopk"), default="sum")
+    ja.add_argument("--port", type=int, default=wire.DEFAULT_PORT)
+    ja.set_defaults(func=cmd_job_add)
+    jr = jsub.add_parser("rm", help="remove a job (its flows and memory)")
+    _common(jr)
+    jr.add_argument("--job", type=int, required=True)
+    jr.set_defaults(func=cmd_job_rm)
+    jl = jsub.add_parser("ls", help="list installed jobs")
+    _common(jl)
+    jl.add_argument("--json", action="store_true")
+    jl.set_defaults(func=cmd_job_ls)
+
+    w = csub.add_parser("worker", help="add / remove a worker flow")
+    wsub = w.add_subparsers(dest="worker_cmd", metavar="CMD")
+    w.set_defaults(func=lambda a: (w.print_help(), 2)[1])
+    wa = wsub.add_parser("add", help="allow ADDRESS:PORT to send as WORKER of JOB")
+    _common(wa)
+    wa.add_argument("--job", type=int, required=True)
+    wa.add_argument("--worker", type=int, required=True)
+    wa.add_argument("--address", required=True)
+    wa.add_argument("--port", type=int, default=wire.DEFAULT_PORT)
+    wa.set_defaults(func=cmd_worker_add)
+    wr = wsub.add_parser("rm")
+    _common(wr)
+    wr.add_argument("--job", type=int, required=True)
+    wr.add_argument("--worker", type=int, required=True)
+    wr.set_defaults(func=cmd_worker_rm)
+
+    s = csub.add_parser("stats", help="counters (drops by reason, merged, completions), jobs, flows")
+    _common(s)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_stats)
+
+    v = csub.add_parser("serve", help="run this DPU's control process: attach the dataplane (xdp mode) "
+                                      "and serve the join API until SIGTERM")
+    _common(v)
+    v.add_argument("--iface", "--dev", dest="iface", help="interface to attach XDP to (xdp mode)")
+    v.add_argument("--netns")
+    v.add_argument("--addr", required=True, help="this DPU's IPv4 address (as jobs list their DPUs)")
+    v.add_argument("--listen", type=_hostport, help="ADDR:PORT of the API (default: --addr:17800)")
+    v.add_argument("--port", type=int, default=wire.DEFAULT_PORT, help="UDP data port of dosa")
+    v.add_argument("--mode", choices=("xdp", "userspace"), default="xdp")
+    v.add_argument("--xdp-mode", choices=("auto", "native", "skb"), default="auto")
+    v.add_argument("--pool-slots", type=int, default=1 << 22)
+    v.add_argument("--keep-state", action="store_true", help="leave the dataplane loaded on exit")
+    v.set_defaults(func=cmd_serve)
+
+
+def _ctl(args):
+    from .controller import Controller
+
+    return Controller(_instance(args))
+
+
+def cmd_attach(args) -> int:
+    from dataplane.loader import LoadConfig
+
+    with _ctl(args) as c:
+        c.attach(args.iface, netns=args.netns, mode=args.xdp_mode, port=args.port,
+                 config=LoadConfig(pool_slots=args.pool_slots, pstate_slots=args.pstate_slots,
+                                   wstate_slots=args.wstate_slots))
+        where = f" in namespace {args.netns}" if args.netns else ""
+        print(f"dosa dataplane {c.instance!r} attached to {args.iface}{where}")
+    return 0
+
+
+def cmd_detach(args) -> int:
+    from dataplane import loader
+
+    with _ctl(args) as c:
+        if not loader.is_loaded(c.instance) and not c.attachments():
+            raise DosaError(f"dataplane instance {c.instance!r} is not loaded")
+        c.detach(args.iface, netns=args.netns, keep_state=args.keep_state)
+        print(f"dosa dataplane {c.instance!r} detached from {args.iface}"
+              + ("" if c.loaded else " and unloaded"))
+    return 0
+
+
+def cmd_job_add(args) -> int:
+    with _ctl(args) as c:
+        j = c.add_job(args.job, workers=args.workers, numel=args.numel, partition_size=args.partition_size,
+                      num_dpus=args.num_dpus, dpu_index=args.dpu_index, scale_exp=args.scale_exp,
+                      mode=args.mode, port=args.port)
+        print(f"job {j.job_id}: {j.workers} workers, {j.numel} entries in {j.num_partitions} partitions, "
+              f"{j.num_owned} owned here, {j.pool_len} aggregation slots at {j.pool_off}")
+    return 0
+
+
+def cmd_job_rm(args) -> int:
+    with _ctl(args) as c:
+        c.remove_job(args.job)
+        print(f"job {args.job} removed")
+    return 0
+
+
+def cmd_job_ls(args) -> int:
+    from dataclasses import asdict
+
+    with _ctl(args) as c:
+        jobs = c.jobs()
+        if args.json:
+            print(json.dumps([asdict(j) for j in jobs], indent=2))
+        else:
+            for j in jobs:
+                print(f"{j.job_id:>10}  workers {j.workers:>2}  numel {j.numel:>10}  partitions "
+                      f"{j.num_partitions:>5} (owned {j.num_owned}, DPU {j.dpu_index}/{j.num_dpus})  "
+                      f"port {j.port}")
+    return 0
+
+
+def cmd_worker_add(args) -> int:
+    with _ctl(args) as c:
+        c.add_worker(args.job, args.worker, args.address, args.port)
+    return 0
+
+
+def cmd_worker_rm(args) -> int:
+    with _ctl(args) as c:
+        c.remove_worker(args.job, args.worker)
+    return 0
+
+
+def cmd_stats(args) -> int:
+    with _ctl(args) as c:
+        st = c.stats()
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    print(f"instance {st['instance']} ({st['pin_dir']}), attached to "
+          + (", ".join(f"{a['ifname']}" + (f"@{a['netns']}" if a["netns"] else "") for a in st["attachments"])
+             or "nothing"))
+    for k, v in st["outcomes"].items():
+        print(f"  {k:<24} {v}")
+    print(f"  drops total              {st['drops_total']}")
+    for k, v in st["drops"].items():
+        if v:
+            print(f"    {k:<22} {v}")
+    print(f"  jobs: {len(st['jobs'])}, flows: {len(st['flows'])}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from dataplane.loader import LoadConfig
+
+    from .api import DEFAULT_CONTROL_PORT, ControlServer, ControlService
+
+    ctl = None
+    if args.mode == "xdp":
+        if not args.iface:
+            raise DosaError("xdp mode needs --iface (the interface to attach the dataplane to)")
+        ctl = _ctl(args)
+        ctl.attach(args.iface, netns=args.netns, mode=args.xdp_mode, port=args.port,
+                   config=LoadConfig(pool_slots=args.pool_slots))
+    listen = args.listen or (args.addr, DEFAULT_CONTROL_PORT)
+    try:
+        service = ControlService(ctl, address=args.addr, data_port=args.port, control_port=listen[1])
+        server = ControlServer(service, listen[0], listen[1])
+
+        def stop(signum, frame):
+            raise SystemExit(0)
+
+        signal.signal(signal.SIGTERM, stop)
+        print(f"dosa control plane serving on {server.address} ({args.mode} mode)", flush=True)
+        try:
+            server.serve_forever()
+        except (SystemExit, KeyboardInterrupt):
+            pass
+        finally:
+            server.httpd.server_close()
+    finally:
+        if ctl is not None:
+            try:
+                if not args.keep_state:
+                    ctl.detach(args.iface, netns=args.netns)
+            except DosaError as e:
+                print(f"dosa: {e}", file=sys.stderr)
+            ctl.close()
+    return 0

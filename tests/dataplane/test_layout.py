@@ -1,0 +1,50 @@
+"""The structs user space reads and writes through the maps match the ones BCC compiled, field by
+field; the C counter enum is the one reasons.py defines."""
+from __future__ import annotations
+
+import ctypes
+import re
+
+import pytest
+
+from dataplane import layout, reasons
+from dataplane.loader import program_text
+
+
+def test_c_enum_is_generated_from_reasons():
+    text = reasons.c_enum()
+    got = {m[0]: int(m[1]) for m in re.findall(r"DOSA_C_(\w+) = (\d+),", text)}
+    assert got == {c.name: int(c) for c in reasons.Counter}
+    assert f"#define DOSA_NUM_COUNTERS {len(reasons.Counter)}" in text
+    assert program_text().startswith(text)
+
+
+def test_verdicts_and_tallies_partition_the_enum():
+    assert set(reasons.VERDICTS) | {reasons.Counter.MERGED_ENTRIES, reasons.Counter.COMPLETIONS,
+                                    reasons.Counter.COMPLETION_LOST} == set(reasons.Counter)
+    assert [int(c) for c in reasons.Counter] == list(range(reasons.NUM_COUNTERS))
+
+
+def _same(bcc_type, mine):
+    assert ctypes.sizeof(bcc_type) == ctypes.sizeof(mine), mine.__name__
+    for name, _ in mine._fields_:
+        assert getattr(bcc_type, name).offset == getattr(mine, name).offset, f"{mine.__name__}.{name}"
+        assert getattr(bcc_type, name).size == getattr(mine, name).size, f"{mine.__name__}.{name}"
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("table,part,mine", [
+    ("jobs", "Leaf", layout.Job), ("flows", "Key", layout.FlowKey), ("flows", "Leaf", layout.Flow),
+    ("pstate", "Leaf", layout.PState), ("wstate", "Leaf", layout.WState),
+])
+def test_struct_matches_compiled(dp, table, part, mine):
+    _same(getattr(dp.bpf[table.encode()], part), mine)
+
+
+def test_numpy_views_match_ctypes():
+    assert layout.PSTATE_DTYPE.itemsize == ctypes.sizeof(layout.PState)
+    assert layout.WSTATE_DTYPE.itemsize == ctypes.sizeof(layout.WState)
+    for name, _ in layout.PState._fields_:
+        assert layout.PSTATE_DTYPE.fields[name][1] == getattr(layout.PState, name).offset
+    for name, _ in layout.WState._fields_:
+        assert layout.WSTATE_DTYPE.fields[name][1] == getattr(layout.WState, name).offset
