@@ -27,7 +27,7 @@ def register(sub) -> None:
     t.add_argument("--epochs", type=int, default=3)
     t.add_argument("--batch-size", type=int, default=64)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--lr", type=float, default=0.01)
+    t.add_argument("--lr", type=float, default=0.05)
     t.add_argument("--offload", action="store_true", help="start the services and use them")
     t.add_argument("--cpus", default=None, help="CPUs for the services (with --offload)")
     t.set_defaults(func=_train)
