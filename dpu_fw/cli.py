@@ -70,31 +70,37 @@ def cmd_run(args) -> int:
         if bind[1] is None:
             from dosa.wire import DEFAULT_PORT
             bind = (bind[0], DEFAULT_PORT)
-    instance = args.instance
-    if instance is None and args.pin_dir:
-        instance = os.path.basename(os.path.normpath(args.pin_dir))
+    instance = args.pin_dir or args.instance
     discover = None
-    if args.mode == "xdp" and not jobs:
+    if args.control is not None:
+        from_control = _control_discovery(args.control, bind)
+        if args.mode == "xdp":
+            from .xdp_backend import jobs_from_maps
+
+            def discover():
+                # a job created through another DPU's control plane is in this DPU's maps (its
+                # flows too) but not in this control plane's registry
+                got = {j.job_id: j for j in from_control()}
+                for j in jobs_from_maps(worker.maps, bind, args.gtopk_density):
+                    got.setdefault(j.job_id, j)
+                return list(got.values())
+        else:
+            discover = from_control
+    elif args.mode == "xdp" and not jobs:
         if bind is None:
             raise DosaError("XDP mode without --job-config needs --addr (and --port)")
         from .xdp_backend import jobs_from_maps
 
-        holder = {}
-
         def discover():
-            w = holder["w"]
-            return [j for j in jobs_from_maps(w.maps, bind, args.gtopk_density)]
+            return jobs_from_maps(worker.maps, bind, args.gtopk_density)
     elif not jobs:
-        raise DosaError("userspace mode needs --job-config (joining jobs through --control is not "
-                        "supported by this worker yet)")
+        raise DosaError("give --job-config FILE or --control ADDR:PORT to learn the jobs to serve")
+    if bind is None:
+        raise DosaError("give --addr/--port, or a job config naming this DPU's address")
     if idx is None:
         idx = 0
     worker = DpuWorker(jobs, idx, mode=args.mode, bind=bind, state_dir=args.state_dir,
                        instance=instance, discover=discover)
-    if discover is not None:
-        holder["w"] = worker
-        # the dataplane's own index of this DPU (in the job entry) wins over the CLI's default
-        worker.dpu_index = _dpu_index_from_maps(worker, idx)
     install_signal_handlers(worker)
     if args.pid_file:
         with open(args.pid_file, "w") as f:
@@ -113,12 +119,32 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _dpu_index_from_maps(worker, default: int) -> int:
-    try:
-        infos = worker.maps.jobs()
-    except Exception:  # noqa: BLE001 - the default is fine when the maps cannot be listed
-        return default
-    return infos[0].dpu_index if infos else default
+def _control_discovery(control, bind):
+    """Jobs the control plane knows whose every worker has joined. This DPU's index in a job is its
+    position in the job's DPU list (matched by address): DpuWorker.add_job checks it per job."""
+    from control.api import request
+
+    from host_lib.transport import JobConfig
+
+    log = logging.getLogger("dosa.dpu")
+
+    def discover():
+        try:
+            views = request(control, "GET", "/v1/jobs", timeout=2.0).get("jobs", [])
+        except DosaError as e:
+            log.warning("%s", e)
+            return []
+        out = []
+        for v in views:
+            if not v.get("complete"):
+                continue
+            try:
+                out.append(JobConfig.from_view(v))
+            except DosaError as e:
+                log.warning("%s", e)
+        return out
+
+    return discover
 
 
 def register_bench(bench_sub) -> None:

@@ -160,37 +160,47 @@ class DpuWorker:
                 self.maps.close()
             raise
 
-    def add_job(self, j: JobConfig) -> None:
-        """Serve job ``j`` (its partitions owned by this DPU) from now on."""
-        if not 0 <= self.dpu_index < len(j.dpus):
-            raise DosaError(f"job {j.job_id} has {len(j.dpus)} DPUs; index {self.dpu_index} is not one")
+    def add_job(self, j: JobConfig, dpu_index: int | None = None) -> None:
+        """Serve job ``j`` (its partitions owned by this DPU) from now on. ``dpu_index``: this
+        DPU's index in ``j.dpus`` (default: the worker's)."""
+        di = self.dpu_index if dpu_index is None else dpu_index
+        if not 0 <= di < len(j.dpus):
+            raise DosaError(f"job {j.job_id} has {len(j.dpus)} DPUs; index {di} is not one")
         pmap = j.pmap
-        owned = pmap.owned_by(self.dpu_index)
+        owned = pmap.owned_by(di)
         if self.mode == "userspace":
             lo = owned * pmap.partition_size
             hi = np.minimum(lo + pmap.partition_size, pmap.numel)
-            sd = None if self.state_dir is None else \
-                f"{self.state_dir}/job{j.job_id}-dpu{self.dpu_index}"
+            sd = None if self.state_dir is None else f"{self.state_dir}/job{j.job_id}-dpu{di}"
             backend = UserspaceBackend(MergeState(owned, lo, hi, j.workers, pmap.partition_size, sd))
         else:
             from .xdp_backend import XdpBackend
 
             backend = XdpBackend(self.maps, j, owned)
-        self.jobs[j.job_id] = JobRuntime(j, self.dpu_index, backend)
-        log.info("DPU %d serves job %d (%s mode, %d workers, %d partitions owned)", self.dpu_index,
+        self.jobs[j.job_id] = JobRuntime(j, di, backend)
+        log.info("DPU %d serves job %d (%s mode, %d workers, %d partitions owned)", di,
                  j.job_id, self.mode, j.workers, len(owned))
 
-    def _discover(self) -> None:
+    def _discover(self, urgent: bool = False) -> None:
+        """Poll ``discover`` for new jobs: twice a second, or at once (at most every 50 ms) when
+        traffic or a completion of an unknown job shows that one was just installed."""
         now = time.monotonic()
-        if self.discover is None or now < self._next_discover:
+        if self.discover is None or now < self._next_discover - (0.45 if urgent else 0.0):
             return
         self._next_discover = now + 0.5
+        me = self.ep.address if hasattr(self, "ep") else None
         for j in self.discover():
-            if j.job_id not in self.jobs:
-                try:
-                    self.add_job(j)
-                except DosaError as e:
-                    log.warning("cannot serve job %d: %s", j.job_id, e)
+            if j.job_id in self.jobs:
+                continue
+            di = self.dpu_index
+            if me is not None:
+                mine = [i for i, d in enumerate(j.dpus) if d == me or (d[0] == me[0] and me[0] != "0.0.0.0")]
+                if mine:
+                    di = mine[0]
+            try:
+                self.add_job(j, di)
+            except DosaError as e:
+                log.warning("cannot serve job %d: %s", j.job_id, e)
 
     # ------------------------------------------------------------------ main loop
     def stop(self, *_):
@@ -216,6 +226,9 @@ class DpuWorker:
 
     def _on_completion(self, job_id: int, partition: int, rnd: int) -> None:
         rt = self.jobs.get(job_id)
+        if rt is None:
+            self._discover(urgent=True)
+            rt = self.jobs.get(job_id)
         if rt is None or not 0 <= partition < len(rt.local_of) or rt.local_of[partition] < 0:
             self.stats["completion_unknown"] += 1
             return
@@ -234,6 +247,9 @@ class DpuWorker:
         for job_id in np.unique(jobs).tolist():
             rt = self.jobs.get(job_id)
             sel = np.flatnonzero(jobs == job_id)
+            if rt is None:
+                self._discover(urgent=True)
+                rt = self.jobs.get(job_id)
             if rt is None:
                 self.stats["unknown_job"] += len(sel)
                 continue

@@ -94,6 +94,8 @@ class AggregationClient:
         retx_interval: seconds before a partition's packets (or missing results) are re-requested.
         window: partitions in flight at once (bounds the DPU's and the socket's backlog).
         density: fraction of entries ``allreduce(array)`` sends (default: the job's).
+        join: with ``control``: keyword arguments of :func:`join_via_control` (job_id, address,
+            port, workers, dpus, mode, density, partition_size, scale_exp, wait).
         shuffle_sends: send every batch in random order (a test aid: reordering where the kernel
             has no netem; the protocol must not care).
     Example:
@@ -101,14 +103,17 @@ class AggregationClient:
         ...     total = c.allreduce(grad)          # float32 sum over all hosts
     """
 
-    def __init__(self, job: JobConfig | None = None, *, worker_id: int, control=None,
+    def __init__(self, job: JobConfig | None = None, *, worker_id: int, control=None, join: dict | None = None,
                  timeout: float = 10.0, retx_interval: float = 0.1, window: int = 256,
                  density: float | None = None, bind: tuple[str, int] | None = None, numel=None,
                  shuffle_sends: bool = False):
         if job is None:
             if control is None:
                 raise DosaError("give either an explicit job config or control=(addr, port)")
-            job = join_via_control(control, worker_id, numel)
+            jkw = dict(join or {})
+            if numel is not None:
+                jkw.setdefault("numel", int(numel))
+            job = join_via_control(control, worker_id, **jkw)
         if not 0 <= worker_id < job.workers:
             raise DosaError(f"worker_id {worker_id} outside 0..{job.workers - 1} for job {job.job_id}")
         if timeout <= 0 or retx_interval <= 0 or window < 1:
@@ -144,7 +149,16 @@ class AggregationClient:
         if not addr or not port:
             raise DosaError("no dosa job in the environment: set DOSA_CONTROL_ADDR/DOSA_CONTROL_PORT "
                             "or DOSA_JOB_CONFIG")
-        return cls(worker_id=rank, control=(addr, int(port)), numel=numel, **kw)
+        join = {"job_id": int(os.environ.get("DOSA_JOB_ID", "1")),
+                "workers": int(os.environ.get("WORLD_SIZE", "1"))}
+        if os.environ.get("DOSA_HOST_ADDR"):
+            join["address"] = os.environ["DOSA_HOST_ADDR"]
+        if os.environ.get("DOSA_PORT"):
+            join["port"] = int(os.environ["DOSA_PORT"])
+        if os.environ.get("DOSA_DPU_ADDRS"):
+            join["dpus"] = [a for a in os.environ["DOSA_DPU_ADDRS"].split(",") if a]
+        join.update(kw.pop("join", None) or {})
+        return cls(worker_id=rank, control=(addr, int(port)), numel=numel, join=join, **kw)
 
     @property
     def stats(self) -> dict:
@@ -375,11 +389,40 @@ class MissingWorkersError(DosaError):
         self.missing = missing
 
 
-def join_via_control(control, worker_id: int, numel) -> JobConfig:
-    """Ask the control plane's join API for the job's config (control/ provides the client)."""
+def local_address_towards(addr: str) -> str:
+    """The local IPv4 address the kernel would use to reach ``addr`` (no packet is sent)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((addr, 9))
+        return s.getsockname()[0]
+
+
+def join_via_control(control, worker_id: int, numel=None, *, job_id: int | None = None,
+                     address: str | None = None, port: int | None = None, workers=None, dpus=None,
+                     wait: float = 60.0, **shape) -> JobConfig:
+    """Join a job through the control plane's API (control.api) and return its JobConfig.
+
+    Blocks until every worker has joined (at most ``wait`` s): results fan out to every host, so a
+    job is only usable once all are known. The first joiner creates the job from the shape given
+    (numel, workers, dpus, ...), like a torchrun rendezvous.
+    """
     try:
-        from control.api import join  # type: ignore
+        from control.api import join_raw
     except ImportError:
         raise DosaError("the control plane's join API (control.api) is not available; "
                         "give the job config explicitly") from None
-    return join(control, worker_id=worker_id, numel=numel)
+    if job_id is None:
+        raise DosaError("joining through the control plane needs the job id")
+    ctl = (str(control[0]), int(control[1]))
+    if address is None:
+        address = local_address_towards(ctl[0])
+    body = dict(shape)
+    if numel is not None:
+        body["numel"] = int(numel)
+    if workers is not None:
+        body["workers"] = int(workers)
+    if dpus:
+        body["dpus"] = list(dpus)
+    view = join_raw(ctl, job_id, address, port, worker_id, wait, **body)
+    return JobConfig.from_view(view)

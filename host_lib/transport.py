@@ -98,6 +98,23 @@ class JobConfig:
             raise DosaError(f"bad job config: {e}") from None
 
     @classmethod
+    def from_view(cls, v: dict) -> "JobConfig":
+        """From the control plane's job view (control.api: ``POST /v1/join``, ``GET /v1/jobs``)."""
+        try:
+            hosts = sorted(v["hosts"], key=lambda h: h["worker_id"])
+            if [h["worker_id"] for h in hosts] != list(range(v["workers"])):
+                raise DosaError(f"job {v['job_id']} is not complete: hosts "
+                                f"{[h['worker_id'] for h in hosts]} of {v['workers']} joined")
+            dpus = sorted(v["dpus"], key=lambda d: d["index"])
+            return cls(job_id=v["job_id"], numel=v["numel"],
+                       hosts=[(h["address"], h["port"]) for h in hosts],
+                       dpus=[(d["address"], d["port"]) for d in dpus],
+                       partition_size=v["partition_size"], mode=v.get("mode", "sum"),
+                       density=v.get("density", 0.01), scale_exp=v.get("scale_exp", 16))
+        except (KeyError, TypeError) as e:
+            raise DosaError(f"the control plane's job description lacks {e}") from None
+
+    @classmethod
     def load(cls, path: str) -> "JobConfig":
         try:
             with open(path) as f:

@@ -58,7 +58,10 @@ def expected(job: JobConfig, seed: int, rnd: int, nnz: int):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--job-config", required=True)
+    ap.add_argument("--job-config")
+    ap.add_argument("--control", help="ADDR:PORT of a control plane to join through")
+    ap.add_argument("--job-id", type=int, default=1)
+    ap.add_argument("--shape", default="{}", help="JSON job shape given when joining")
     ap.add_argument("--worker-id", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=5)
@@ -73,12 +76,17 @@ def main() -> int:
     ap.add_argument("--float-check", action="store_true",
                     help="also run float allreduce rounds (density 1) and check the quantization bound")
     a = ap.parse_args()
-    job = JobConfig.load(a.job_config)
     res = {"worker": a.worker_id, "rounds_ok": 0, "mismatches": []}
     t0 = time.monotonic()
     try:
-        with AggregationClient(job, worker_id=a.worker_id, timeout=a.timeout,
-                               shuffle_sends=a.shuffle) as c:
+        if a.job_config:
+            kw = {"job": JobConfig.load(a.job_config)}
+        else:
+            host, _, port = a.control.rpartition(":")
+            kw = {"control": (host, int(port)), "join": dict(json.loads(a.shape), job_id=a.job_id)}
+        with AggregationClient(worker_id=a.worker_id, timeout=a.timeout, shuffle_sends=a.shuffle,
+                               **kw) as c:
+            job = c.job
             for r in range(a.rounds):
                 if r == a.exit_before_round:
                     os._exit(0)

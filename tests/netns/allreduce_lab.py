@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from host_lib.transport import JobConfig
 ROOT = Path(__file__).resolve().parents[2]
 HOST_MAIN = Path(__file__).with_name("allreduce_host.py")
 PORT = 17791
+CONTROL_PORT = 17800
 
 
 def _run(*argv, check=True):
@@ -59,6 +61,8 @@ class Lab:
                     impair.attach(self.fab, port, obj)
                 lst.append(ns)
         self.procs: list[subprocess.Popen] = []
+        self.pin_dirs: list[str] = []
+        self.ctl_procs: list[subprocess.Popen] = []
 
     def job(self, job_id=5, numel=200_000, partition_size=16384, mode="sum", density=0.01,
             scale_exp=10) -> JobConfig:
@@ -86,22 +90,67 @@ class Lab:
         self._wait_bound(self.dpu_ns[d], PORT, p)
         return p
 
-    def _wait_bound(self, ns: str, port: int, p: subprocess.Popen, timeout: float = 20.0) -> None:
+    def start_control(self, d: int, mode: str = "xdp") -> subprocess.Popen:
+        """The control plane of DPU d (``dosa ctl serve``): attaches the XDP dataplane to the DPU's
+        eth0 under a pin directory of its own and serves the join API."""
+        pin = f"/sys/fs/bpf/dosatest-{uuid.uuid4().hex[:8]}-d{d}"
+        self.pin_dirs.append(pin)
+        a = self.dpu_addr[d]
+        argv = ["ip", "netns", "exec", self.dpu_ns[d], sys.executable, "-m", "dosa", "ctl", "serve",
+                "--instance", pin, "--iface", "eth0", "--addr", a, "--listen", f"{a}:{CONTROL_PORT}",
+                "--port", str(PORT), "--mode", mode]
+        log = open(self.tmp / f"ctl{d}.log", "a")
+        p = subprocess.Popen(argv, cwd=ROOT, env=self._env(), stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        self.procs.append(p)
+        self.ctl_procs.append(p)
+        self._wait_bound(self.dpu_ns[d], CONTROL_PORT, p, proto="t", timeout=60)
+        return p
+
+    def start_dpu_control(self, d: int, mode: str = "xdp", control_dpu: int | None = None):
+        """The DPU worker, learning its jobs from the control plane of DPU ``control_dpu`` (default:
+        its own; in userspace mode only the one the hosts join through knows the job)."""
+        a = self.dpu_addr[d]
+        c = self.dpu_addr[d if control_dpu is None else control_dpu]
+        argv = ["ip", "netns", "exec", self.dpu_ns[d], sys.executable, "-m", "dosa", "dpu", "run",
+                "--mode", mode, "--instance", self.pin_dirs[d], "--addr", a, "--port", str(PORT),
+                "--control", f"{c}:{CONTROL_PORT}", "-v"]
+        log = open(self.tmp / f"dpu{d}.log", "a")
+        p = subprocess.Popen(argv, cwd=ROOT, env=self._env(), stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        self.procs.append(p)
+        self._wait_bound(self.dpu_ns[d], PORT, p)
+        return p
+
+    def control_args(self, job_id=5, numel=200_000, partition_size=16384, mode="sum", density=0.01,
+                     scale_exp=10) -> list[str]:
+        """Host arguments to join through DPU 0's control plane with this job shape."""
+        return ["--control", f"{self.dpu_addr[0]}:{CONTROL_PORT}", "--job-id", str(job_id),
+                "--shape", json.dumps({"numel": numel, "workers": len(self.host_ns),
+                                       "dpus": self.dpu_addr, "partition_size": partition_size,
+                                       "mode": mode, "density": density, "scale_exp": scale_exp})]
+
+    def _wait_bound(self, ns: str, port: int, p: subprocess.Popen, timeout: float = 20.0,
+                    proto: str = "u") -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if p.poll() is not None:
-                raise RuntimeError(f"DPU worker exited with {p.returncode}: {self.logs()}")
-            out = _run("ip", "netns", "exec", ns, "ss", "-Hunl", f"sport = :{port}", check=False).stdout
+                raise RuntimeError(f"process exited with {p.returncode}: {self.logs()}")
+            out = _run("ip", "netns", "exec", ns, "ss", f"-H{proto}nl", f"sport = :{port}",
+                       check=False).stdout
             if out.strip():
                 return
             time.sleep(0.05)
         raise RuntimeError("DPU worker did not bind in time")
 
-    def start_hosts(self, job_file: str, extra=(), per_host=None) -> list[subprocess.Popen]:
+    def start_hosts(self, job_file: str | None, extra=(), per_host=None) -> list[subprocess.Popen]:
+        """Start every host; ``job_file`` None: they join through the control plane (``extra``
+        carries control_args())."""
         ps = []
         for w, ns in enumerate(self.host_ns):
             more = list(per_host(w)) if per_host else []
-            argv = ["ip", "netns", "exec", ns, sys.executable, str(HOST_MAIN), "--job-config", job_file,
+            cfg = ["--job-config", job_file] if job_file else []
+            argv = ["ip", "netns", "exec", ns, sys.executable, str(HOST_MAIN), *cfg,
                     "--worker-id", str(w), "--out", str(self.tmp / f"host{w}.json"), *extra, *more]
             log = open(self.tmp / f"host{w}.log", "w")
             p = subprocess.Popen(argv, cwd=ROOT, env=self._env(), stdout=log, stderr=subprocess.STDOUT,
@@ -149,4 +198,6 @@ class Lab:
         for p in self.procs:
             if p.poll() is None:
                 self.kill(p, signal.SIGTERM)
+        for pin in self.pin_dirs:  # normally removed by `ctl serve` on SIGTERM
+            _run("rm", "-rf", pin, check=False)
         _run("rm", "-rf", str(self.tmp), check=False)

@@ -93,3 +93,15 @@ def test_dpu_worker_killed_and_restarted_continues_exact(lab_factory):
     lab.start_dpu(0, jf, "userspace", extra)
     res = lab.wait_hosts(hosts, timeout=60)
     assert_all_exact(res, 30, lab)
+
+
+@pytest.mark.timeout(60)
+def test_userspace_hosts_join_through_the_control_plane(lab_factory):
+    lab = lab_factory(hosts=4, dpus=2)
+    for d in range(2):
+        lab.start_control(d, "userspace")
+    for d in range(2):
+        # in userspace mode only the control plane the hosts join through (DPU 0's) knows the job
+        lab.start_dpu_control(d, "userspace", control_dpu=0)
+    res = lab.run_hosts(None, timeout=40, extra=["--rounds", "4", *lab.control_args(mode="gtopk")])
+    assert_all_exact(res, 4, lab)
