@@ -39,7 +39,7 @@ def register(sub) -> None:
     up.add_argument("--no-services", action="store_true",
                     help="topology only: do not start the control plane and DPU workers")
     up.add_argument("--subnet", default=None, help=f"IPv4 network (default {config.DEFAULT_SUBNET})")
-    up.add_argument("--ready-timeout", type=float, default=60.0,
+    up.add_argument("--ready-timeout", type=float, default=120.0,
                     help="seconds to wait for the DPU services to become ready")
     up.set_defaults(func=cmd_up)
 

@@ -100,7 +100,7 @@ class Testbed:
     # ------------------------------------------------------------------ up
     def up(self, hosts: int, dpus: int, *, link_rate: str | None = None, delay: str | None = None,
            loss=None, dup=None, reorder=None, shape_dpus: bool = False, cpu_split: bool = False,
-           mode: str = "xdp", services: bool = True, ready_timeout: float = 60.0,
+           mode: str = "xdp", services: bool = True, ready_timeout: float = 120.0,
            data_port: int = DATA_PORT, control_port: int = CONTROL_PORT) -> dict:
         """Build the topology (and start the DPU services unless ``services=False``); return
         ``status()``. On any failure everything built so far is torn down before the error."""

@@ -64,10 +64,15 @@ def netns_pids(name: str) -> list[int]:
 
 
 def netns_cmd(ns: str, argv: list[str], cpus: list[int] | None = None) -> list[str]:
-    """The argv that runs ``argv`` inside namespace ``ns``, optionally pinned to ``cpus``
-    (taskset is applied outside ``ip netns exec``; the affinity is inherited across exec)."""
+    """The argv that runs ``argv`` inside network namespace ``ns``, optionally pinned to ``cpus``
+    (taskset wraps it; the affinity is inherited across exec).
+
+    ``nsenter --net`` and not ``ip netns exec``: the latter also unshares the mount namespace and
+    remounts /sys, which hides the bpffs at /sys/fs/bpf -- the control plane would pin the
+    dataplane's maps where the DPU worker (another process) cannot see them. nsenter switches only
+    the network namespace; every process shares the one bpffs."""
     pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
-    return [*pin, "ip", "netns", "exec", ns, *argv]
+    return [*pin, "nsenter", f"--net=/run/netns/{ns}", "--", *argv]
 
 
 def proc_start_time(pid: int) -> int | None:

@@ -55,9 +55,9 @@ def dpu_services(ctx: DpuContext) -> list[ServiceSpec]:
     # each DPU (and each testbed prefix) has its own and `down` removes them with the prefix dir
     ctl = ServiceSpec(
         name="ctl",
-        argv=[*dosa, "ctl", "serve", "--instance", ctx.pin_dir, "--iface", ctx.iface,
+        argv=[*dosa, "ctl", "serve", "--pin-dir", ctx.pin_dir, "--iface", ctx.iface,
               "--addr", ctx.address, "--listen", f"{ctx.address}:{ctx.control_port}",
-              "--port", str(ctx.data_port), "--mode", ctx.mode, "--dpu-index", str(ctx.index)],
+              "--port", str(ctx.data_port), "--mode", ctx.mode],
         ready=("tcp", ctx.control_port))
     ready = f"{ctx.run_dir}/dpu{ctx.index}-worker.ready"  # dpu run writes it once it is ready
     worker = ServiceSpec(

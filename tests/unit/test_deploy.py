@@ -30,8 +30,8 @@ def expected_plan() -> list[str]:
     d = "root@192.0.2.20"
     stop = [f"{SSH} {d} 'if [ -f /run/dosa/{s}.pid ]; then kill $(cat /run/dosa/{s}.pid) 2>/dev/null; "
             f"rm -f /run/dosa/{s}.pid; fi; true'" for s in ("dpu", "ctl")]
-    ctl = (f"{PY} ctl serve --instance /sys/fs/bpf/dosa/dpu0 --iface p0 --addr 10.10.0.200 "
-           "--listen 10.10.0.200:17800 --port 17791 --mode xdp --dpu-index 0")
+    ctl = (f"{PY} ctl serve --pin-dir /sys/fs/bpf/dosa/dpu0 --iface p0 --addr 10.10.0.200 "
+           "--listen 10.10.0.200:17800 --port 17791 --mode xdp")
     worker = (f"{PY} dpu run --instance /sys/fs/bpf/dosa/dpu0 --iface p0 --addr 10.10.0.200 "
               "--port 17791 --mode xdp --dpu-index 0 --control 10.10.0.200:17800 "
               "--pid-file /run/dosa/dpu0-worker.ready")
