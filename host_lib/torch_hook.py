@@ -102,6 +102,13 @@ class DosaHookState:
             (>= 1); larger is safer against growing gradients, smaller is more precise.
         fallback: if True (default), fall back to the process group when dosa is unavailable;
             if False, raise instead.
+        momentum: momentum correction (Deep Gradient Compression, Lin et al. 2018), in [0, 1).
+            When > 0 the hook keeps a per-bucket velocity ``u = momentum * u + g`` and sparsifies
+            ``residual + u`` instead of ``residual + g``: the optimizer must then run WITHOUT
+            momentum (it would apply it twice). Sparsifying the velocity, not the gradient, keeps
+            momentum from acting on stale residuals, which is what slows plain error feedback.
+        momentum_masking: with momentum, zero the velocity of the entries just sent (DGC's
+            "momentum factor masking": those entries' past must not push them again).
 
     Example::
         >>> # xdoctest: +SKIP
@@ -114,7 +121,8 @@ class DosaHookState:
 
     def __init__(self, client=None, client_factory: Callable[[int], Any] | None = None,
                  density: float = 0.01, dense_warmup_steps: int = 0, process_group=None,
-                 scale_exp: int | None = None, headroom: float = 2.0, fallback: bool = True):
+                 scale_exp: int | None = None, headroom: float = 2.0, fallback: bool = True,
+                 momentum: float = 0.0, momentum_masking: bool = True):
         if client is not None and client_factory is not None:
             raise ValueError("give either client or client_factory, not both")
         if client_factory is not None and not callable(client_factory):
@@ -135,7 +143,12 @@ class DosaHookState:
                 or not math.isfinite(headroom) or headroom < 1.0:
             raise ValueError(f"headroom must be a finite number >= 1, got {headroom!r}")
 
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
+                or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
         # hyperparameters
+        self.momentum = float(momentum)
+        self.momentum_masking = bool(momentum_masking)
         self.density = float(density)
         self.dense_warmup_steps = dense_warmup_steps
         self.process_group = process_group
@@ -148,6 +161,7 @@ class DosaHookState:
         self._client_ready = False  # creation + cross-rank agreement done
         self._use_fallback = False
         self._residuals: dict[int, np.ndarray] = {}  # bucket index -> float32 residual
+        self._velocities: dict[int, np.ndarray] = {}  # bucket index -> velocity (momentum > 0)
         self._layouts: dict[int, tuple] = {}  # bucket index -> parameter layout signature
         self._pending: list[tuple[int, torch.Tensor, torch.futures.Future]] = []
         self._scale_exp: int | None = scale_exp
@@ -218,6 +232,8 @@ class DosaHookState:
                 log.debug("dosa hook: bucket %d changed layout; its residual starts over", idx)
             self._layouts[idx] = layout
             self._residuals[idx] = np.zeros(numel, dtype=np.float32)
+            if self.momentum:
+                self._velocities[idx] = np.zeros(numel, dtype=np.float32)
         return self._residuals[idx]
 
     def close(self) -> None:
@@ -237,13 +253,27 @@ class DosaHookState:
         try:
             bufs = [b.detach().reshape(-1) for _, b, _ in pending]
             sizes = [b.numel() for b in bufs]
-            acc = np.concatenate([b.numpy().astype(np.float32, copy=False) + self._residuals[i]
-                                  for (i, _, _), b in zip(pending, bufs)])
+            parts = []
+            for (i, _, _), b in zip(pending, bufs):
+                g = b.numpy().astype(np.float32, copy=False)
+                if self.momentum:
+                    u = self._velocities[i]
+                    u *= self.momentum
+                    u += g
+                    g = u
+                parts.append(g + self._residuals[i])
+            acc = np.concatenate(parts)
             world = self.world_size
             enc = hook_codec.encode(acc, self.density, self._scale_exp, world)
             res_idx, res_sums = self._client.allreduce_sparse(enc.indices, enc.values, enc.scale_exp)
             avg, new_residual, max_abs = hook_codec.decode(acc.size, enc, res_idx, res_sums, world)
             self._scale_exp = hook_codec.next_scale_exp(max_abs, world, self.headroom, enc.scale_exp)
+            if self.momentum and self.momentum_masking and enc.indices.size:
+                starts = np.cumsum([0] + sizes)
+                which = np.searchsorted(starts, enc.indices, side="right") - 1
+                for j, (i, _, _) in enumerate(pending):
+                    sel = enc.indices[which == j].astype(np.int64) - starts[j]
+                    self._velocities[i][sel] = 0.0
             off = 0
             for (i, buf, fut), n in zip(pending, sizes):
                 self._residuals[i] = new_residual[off:off + n]

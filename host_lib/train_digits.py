@@ -9,8 +9,8 @@ uses to join the job. Without them it runs as a single process (world size 1).
     torchrun --nproc-per-node 4 -m host_lib.train_digits --comm dense --epochs 20
     dosa testbed run -- python -m host_lib.train_digits --comm dosa --density 0.01 --json out-{rank}.json
 
-Each rank records its loss per step; rank 0 measures the test accuracy. With ``--json PATH`` every
-rank writes its summary (``{rank}`` in PATH is replaced by the rank; without it only rank 0 writes).
+Each rank records its loss per step and the test accuracy (the replicas are identical, which the
+script checks at the end). With ``--json PATH`` every rank writes ``{"runs": [summary, ...]}`` (``{rank}`` in PATH is replaced by the rank; without it only rank 0 writes).
 Bytes on the wire per step, per host: dosa reports the client's counted UDP payload bytes sent and
 received; dense reports the ring-allreduce volume ``2 * (W-1)/W * model bytes`` sent (and as much
 received) per host, Gloo's own algorithm does not expose a counter.
@@ -75,18 +75,26 @@ def shard_batches(n: int, rank: int, world: int, batch: int, epoch: int, seed: i
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--comm", choices=["dosa", "dense"], default="dosa")
+    p.add_argument("--comm", default="dosa",
+                   help="dosa, dense, or a comma list (e.g. dosa,dense: both runs in one launch)")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--warmup-steps", type=int, default=0, help="dense steps before dosa (hook)")
     p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=16, help="per rank")
+    p.add_argument("--batch-size", type=int, default=8, help="per rank")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--hook-momentum", action="store_true",
+                   help="dosa: apply --momentum in the hook (DGC momentum correction), not in SGD")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the summary here ({rank} -> rank)")
     p.add_argument("--quiet", action="store_true", help="no per-epoch progress lines")
     args = p.parse_args(argv)
+    args.comm = [c.strip() for c in args.comm.split(",") if c.strip()]
+    if not args.comm or any(c not in ("dosa", "dense") for c in args.comm):
+        p.error("--comm must be dosa, dense or a comma list of them")
+    if not 0 < args.density <= 1 or args.warmup_steps < 0:
+        p.error("--density must be in (0, 1] and --warmup-steps >= 0")
     if args.epochs < 1 or args.batch_size < 1 or args.lr <= 0:
         p.error("--epochs and --batch-size must be >= 1 and --lr > 0")
     return args
@@ -104,19 +112,26 @@ def _init_process_group() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def train(args) -> dict:
-    rank, world = _init_process_group()
+def ring_allreduce_bytes(model_bytes: int, world: int) -> float:
+    """Bytes one host sends (and as many it receives) in a ring allreduce of ``model_bytes``."""
+    return 2 * (world - 1) / world * model_bytes if world > 1 else 0.0
+
+
+def train_one(comm: str, args, rank: int, world: int, data, progress: bool) -> dict:
+    """One training run (fresh model, same seed) with ``comm`` reducing the gradients."""
+    xtr, ytr, xte, yte = data
     torch.manual_seed(args.seed)
-    torch.set_num_threads(1)  # several ranks share a couple of cores
-    xtr, ytr, xte, yte = load_digits_split(args.seed)
     model = DDP(DigitsMLP(args.hidden))
     nparams = sum(p.numel() for p in model.parameters())
     state = None
-    if args.comm == "dosa":
+    if comm == "dosa":
         from host_lib.torch_hook import DosaHookState, dosa_hook
-        state = DosaHookState(density=args.density, dense_warmup_steps=args.warmup_steps)
+        state = DosaHookState(density=args.density, dense_warmup_steps=args.warmup_steps,
+                              momentum=args.momentum if args.hook_momentum else 0.0)
         model.register_comm_hook(state, dosa_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    hook_has_momentum = state is not None and state.momentum > 0
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr,
+                          momentum=0.0 if hook_has_momentum else args.momentum)
     steps_per_epoch = len(shard_batches(len(xtr), rank, world, args.batch_size, 0, args.seed))
     # Cosine decay to 0: the last epochs settle instead of bouncing around, so one run's final
     # accuracy is a fair number to compare (the test set has only 360 images: 1 point = 3.6 images).
@@ -124,60 +139,76 @@ def train(args) -> dict:
 
     losses: list[float] = []
     step_times: list[float] = []
-    test_acc_per_epoch: list[float] = []
-    for epoch in range(args.epochs):
-        model.train()
-        for idx in shard_batches(len(xtr), rank, world, args.batch_size, epoch, args.seed):
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
-            loss.backward()
-            opt.step()
-            sched.step()
-            step_times.append(time.perf_counter() - t0)
-            losses.append(float(loss.item()))
-        acc = evaluate(model.module, xte, yte)
-        test_acc_per_epoch.append(acc)
-        if rank == 0 and not args.quiet:
-            print(f"[{args.comm}] epoch {epoch + 1}/{args.epochs} loss {np.mean(losses[-20:]):.4f} "
-                  f"test acc {acc * 100:.2f}%", flush=True)
+    acc_per_epoch: list[float] = []
+    try:
+        for epoch in range(args.epochs):
+            model.train()
+            for idx in shard_batches(len(xtr), rank, world, args.batch_size, epoch, args.seed):
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
+                loss.backward()
+                opt.step()
+                sched.step()
+                step_times.append(time.perf_counter() - t0)
+                losses.append(float(loss.item()))
+            acc = evaluate(model.module, xte, yte)
+            acc_per_epoch.append(acc)
+            if progress:
+                print(f"[{comm}] epoch {epoch + 1}/{args.epochs} loss {np.mean(losses[-steps_per_epoch:]):.4f} "
+                      f"test acc {acc * 100:.2f}%", flush=True)
 
-    # Replicas must be identical (same averaged gradient everywhere): check it, it is cheap.
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    digest = torch.tensor([float(flat.double().sum()), float(flat.double().abs().sum())], dtype=torch.float64)
-    gathered = [torch.zeros_like(digest) for _ in range(world)]
-    dist.all_gather(gathered, digest)
-    consistent = all(torch.equal(g, gathered[0]) for g in gathered)
+        # Replicas must be identical (same averaged gradient everywhere): check it, it is cheap.
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+        digest = torch.stack([flat.sum(), flat.abs().sum()])
+        gathered = [torch.zeros_like(digest) for _ in range(world)]
+        dist.all_gather(gathered, digest)
+        consistent = all(torch.equal(g, gathered[0]) for g in gathered)
+    finally:
+        if state is not None:
+            state.close()
 
     steps = len(losses)
     model_bytes = nparams * 4
+    ring = ring_allreduce_bytes(model_bytes, world)
     if state is not None:
         hs = state.stats.as_dict()
-        sent_per_step = hs["bytes_sent"] / steps if steps else 0.0
-        recv_per_step = hs["bytes_received"] / steps if steps else 0.0
-        bytes_method = "dosa client counters: UDP payload bytes this host sent / received"
-        if state.using_fallback:
-            bytes_method = "fell back to Gloo dense allreduce (see hook.fallbacks)"
-            sent_per_step = recv_per_step = 2 * (world - 1) / world * model_bytes
-        state.close()
+        # dosa rounds: the client's counters; warm-up / fallback steps went through Gloo: ring volume
+        dense_steps = hs["dense_steps"]
+        sent_per_step = (hs["bytes_sent"] + dense_steps * ring) / steps if steps else 0.0
+        recv_per_step = (hs["bytes_received"] + dense_steps * ring) / steps if steps else 0.0
+        bytes_method = ("dosa client counters (UDP payload bytes this host sent / received)"
+                        + (f" + {dense_steps} dense warm-up/fallback steps at the ring volume"
+                           if dense_steps else ""))
     else:
         hs = None
-        sent_per_step = recv_per_step = 2 * (world - 1) / world * model_bytes
-        bytes_method = "ring allreduce estimate: 2*(W-1)/W * model bytes sent and as much received per host"
-    summary = {
-        "comm": args.comm, "rank": rank, "world_size": world, "density": args.density if state else 1.0,
+        sent_per_step = recv_per_step = ring
+        bytes_method = "ring allreduce volume: 2*(W-1)/W * model bytes sent, as many received, per host"
+    return {
+        "comm": comm, "rank": rank, "world_size": world,
+        "density": args.density if state else 1.0, "warmup_steps": args.warmup_steps if state else 0,
         "epochs": args.epochs, "steps": steps, "batch_size": args.batch_size, "lr": args.lr,
+        "momentum": args.momentum, "hook_momentum": hook_has_momentum,
         "params": nparams, "model_bytes": model_bytes,
-        "loss": losses, "test_accuracy": test_acc_per_epoch[-1],
-        "test_accuracy_per_epoch": test_acc_per_epoch,
+        "loss": losses, "test_accuracy": acc_per_epoch[-1], "test_accuracy_per_epoch": acc_per_epoch,
         "time_per_step_s": float(np.mean(step_times)) if step_times else 0.0,
         "time_per_step_median_s": float(np.median(step_times)) if step_times else 0.0,
         "bytes_sent_per_step": sent_per_step, "bytes_received_per_step": recv_per_step,
         "bytes_per_step": sent_per_step + recv_per_step, "bytes_method": bytes_method,
         "replicas_consistent": consistent, "hook": hs,
     }
-    dist.destroy_process_group()
-    return summary
+
+
+def train(args) -> list[dict]:
+    """Every run of ``args.comm`` (comma list) in this one process group, in order."""
+    rank, world = _init_process_group()
+    torch.set_num_threads(1)  # several ranks share a couple of cores
+    data = load_digits_split(args.seed)
+    try:
+        return [train_one(c, args, rank, world, data, progress=rank == 0 and not args.quiet)
+                for c in args.comm]
+    finally:
+        dist.destroy_process_group()
 
 
 @torch.no_grad()
@@ -189,18 +220,19 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=os.environ.get("DOSA_LOG", "WARNING"))
-    summary = train(args)
-    rank = summary["rank"]
+    runs = train(args)
+    rank = runs[0]["rank"]
     if args.json and ("{rank}" in args.json or rank == 0):
         path = args.json.replace("{rank}", str(rank))
         with open(path, "w") as f:
-            json.dump(summary, f)
+            json.dump({"runs": runs}, f)
     if rank == 0:
-        print(f"[{args.comm}] done: test accuracy {summary['test_accuracy'] * 100:.2f}%, "
-              f"{summary['time_per_step_s'] * 1e3:.2f} ms/step, "
-              f"{summary['bytes_per_step']:.0f} B/step on the wire per host, "
-              f"replicas consistent: {summary['replicas_consistent']}", flush=True)
-    return 0 if summary["replicas_consistent"] else 1
+        for r in runs:
+            print(f"[{r['comm']}] done: test accuracy {r['test_accuracy'] * 100:.2f}%, "
+                  f"{r['time_per_step_s'] * 1e3:.2f} ms/step, "
+                  f"{r['bytes_per_step']:.0f} B/step on the wire per host, "
+                  f"replicas consistent: {r['replicas_consistent']}", flush=True)
+    return 0 if all(r["replicas_consistent"] for r in runs) else 1
 
 
 if __name__ == "__main__":
