@@ -122,3 +122,22 @@ def test_bad_inventory_through_the_cli_is_one_line_without_traceback(tmp_path):
                               str(tmp_path / "nope.toml"), "--dry-run"],
                              capture_output=True, text=True, timeout=60, cwd=REPO)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_dpu_service_command_lines_are_accepted_by_the_dosa_cli():
+    """The flags testbed/services.py passes must exist in `dosa ctl serve` / `dosa dpu run`:
+    parsed by the real CLI parser (nothing is started), so a renamed flag fails here, not in `up`."""
+    from dosa.cli import build_parser
+    from testbed.services import DpuContext, dpu_services
+
+    parser = build_parser()
+    ctx = DpuContext(index=1, iface="eth0", address="10.77.0.201", host_addrs=("10.77.0.10",),
+                     mode="xdp", pin_dir="/sys/fs/bpf/dosa/d1", run_dir="/run/dosa/dosa")
+    services = dpu_services(ctx)
+    assert [s.name for s in services] == ["ctl", "dpu"]
+    for svc in services:
+        assert svc.argv[1:3] == ["-m", "dosa"]
+        args = parser.parse_args(svc.argv[3:])
+        assert callable(args.func)
+        assert args.mode == "xdp" and args.addr == "10.77.0.201" and args.port == ctx.data_port
+    assert parser.parse_args(services[0].argv[3:]).listen == ("10.77.0.201", 17800)
