@@ -12,6 +12,7 @@ evaluates locally (fallback, or to check the service), hence equal snapshots giv
 from __future__ import annotations
 
 import argparse
+import queue
 import socket
 import threading
 import time
@@ -27,6 +28,7 @@ from .protocol import ConnectionClosed, FrameError, recv_message, send_message
 
 DEFAULT_PORT = 17802
 DEFAULT_BATCH = 256
+MAX_QUEUED = 16  # snapshots waiting per connection before the host feels backpressure
 
 _cache_lock = threading.Lock()
 _val_batches: dict[tuple[str, int], list] = {}
@@ -61,29 +63,45 @@ class ValidationServer(_server.Server):
         super().__init__(address)
 
     def serve_connection(self, sock: socket.socket) -> None:
-        while True:
-            try:
-                msg = recv_message(sock)
-            except ConnectionClosed:
-                return
-            if msg.kind != "evaluate":
-                raise FrameError(f"unknown request {msg.kind!r}")
-            job = msg.meta.get("job")
-            if not isinstance(job, int):
-                raise FrameError("an evaluate request needs an integer 'job'")
-            started = time.perf_counter()
+        """Read snapshots as they come (so a host's ``submit`` never waits for an evaluation to
+        finish) into a bounded queue; an evaluator thread answers them in order."""
+        jobs: queue.Queue = queue.Queue(maxsize=MAX_QUEUED)
+        evaluator = threading.Thread(target=self._evaluate_loop, args=(sock, jobs), daemon=True,
+                                     name="validate-evaluator")
+        evaluator.start()
+        try:
+            while True:
+                try:
+                    msg = recv_message(sock)
+                except ConnectionClosed:
+                    return
+                if msg.kind != "evaluate":
+                    raise FrameError(f"unknown request {msg.kind!r}")
+                if not isinstance(msg.meta.get("job"), int):
+                    raise FrameError("an evaluate request needs an integer 'job'")
+                jobs.put(msg)
+        finally:
+            jobs.put(None)
+            evaluator.join()
+
+    def _evaluate_loop(self, sock: socket.socket, jobs: queue.Queue) -> None:
+        while (msg := jobs.get()) is not None:
+            job, started = msg.meta["job"], time.perf_counter()
             try:
                 batch = msg.meta.get("batch_size", DEFAULT_BATCH)
                 dataset = msg.meta.get("dataset")
                 if not isinstance(dataset, str) or not isinstance(batch, int) or batch < 1:
                     raise DosaError("an evaluate request needs a dataset spec and a positive batch_size")
                 metrics = evaluate_snapshot(check_spec(msg.meta.get("model")), msg.arrays, dataset, batch)
+                metrics.update(job=job, epoch=msg.meta.get("epoch"),
+                               seconds=time.perf_counter() - started)
+                reply = ("metrics", metrics)
             except DosaError as e:
-                send_message(sock, "failed", {"job": job, "message": str(e)})
-                continue
-            metrics.update(job=job, epoch=msg.meta.get("epoch"),
-                           seconds=time.perf_counter() - started)
-            send_message(sock, "metrics", metrics)
+                reply = ("failed", {"job": job, "message": str(e)})
+            try:
+                send_message(sock, *reply)
+            except OSError:
+                return  # the host went away; the reader sees it too
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -177,3 +177,16 @@ def test_validator_on_a_dead_service_raises_or_evaluates_locally():
     assert sum(issubclass(w.category, OffloadFallbackWarning) for w in caught) == 1
     local = evaluate_snapshot(model.spec, state_arrays(model), DS)
     assert all(r == local for r in results) and all(h.local for h in handles)
+
+
+@pytest.mark.timeout(120)
+def test_a_snapshot_that_does_not_fit_its_spec_fails_that_job_only(services):
+    pytest.importorskip("torch")
+    model = _trained_model()
+    wrong = dict(model.spec, channels=[4])
+    with OffloadedValidator(services.validate_address, dataset=DS) as validator:
+        bad = validator.submit(model, epoch=0, spec=wrong)
+        good = validator.submit(model, epoch=1)
+        with pytest.raises(ServiceRefused, match="shape"):
+            bad.result(timeout=60)
+        assert good.result(timeout=60)["samples"] == 359
