@@ -172,11 +172,33 @@ class ControlService:
                     raise ApiError(502, f"DPU {i} ({a}) refused: {e}") from None
 
     def _install_job(self, job: Job) -> None:
+        """Install on every DPU; when one refuses, remove it from those that accepted (a job is
+        on all its DPUs or on none)."""
         body = {"job_id": job.job_id, "workers": job.workers, "numel": job.numel,
                 "partition_size": job.partition_size, "num_dpus": len(job.dpus),
                 "scale_exp": job.scale_exp, "mode": job.mode, "port": job.port}
-        self._on_all_dpus(job, lambda i: self.local_install_job(dict(body, dpu_index=i)),
-                          "POST", "/v1/local/jobs", body)
+        done = []
+        try:
+            for i, (a, _) in enumerate(job.dpus):
+                if a == self.address:
+                    self.local_install_job(dict(body, dpu_index=i))
+                else:
+                    try:
+                        self._peer(a, "POST", "/v1/local/jobs", dict(body, dpu_index=i))
+                    except DosaError as e:
+                        st = getattr(e, "status", 502)
+                        raise ApiError(st if st in (409, 507) else 502, f"DPU {i} ({a}) refused: {e}") from None
+                done.append(a)
+        except ApiError:
+            for a in done:
+                try:
+                    if a == self.address:
+                        self.local_remove_job(job.job_id)
+                    else:
+                        self._peer(a, "DELETE", f"/v1/local/jobs/{job.job_id}")
+                except DosaError:
+                    pass
+            raise
 
     # ------------------------------------------------------------------------------------ requests
     def create_job(self, req: dict) -> dict:

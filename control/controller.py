@@ -210,7 +210,7 @@ class Controller:
             cap = maps.capacity
             if len(existing) >= cap["jobs"]:
                 raise AdmissionError(f"the dataplane already holds its maximum of {cap['jobs']} jobs")
-            pool_len = owned * 2 * partition_size
+            pool_len = owned * 2 * min(partition_size, numel)
             if pool_len >= 2**32:
                 raise AdmissionError(f"job {job_id} needs {pool_len} aggregation slots, more than a pool can hold")
             pool_off = first_fit([(j.pool_off, j.pool_len) for j in existing], pool_len, cap["pool"],

@@ -47,7 +47,8 @@ struct dosa_job {
 	__u32 wstate_off;     /* first entry of its num_owned * 2 * workers worker states */
 	__s32 scale_exp;      /* initial scale exponent (round 0) */
 	__u32 port;           /* UDP port of the job */
-	__u32 reserved;
+	__u32 stride;         /* slots per buffer: min(partition_size, numel) (a one-partition job
+			       * smaller than partition_size does not waste the pool) */
 };
 
 /* workers: hash (job, worker) -> the only source allowed to send as that worker. */

@@ -159,8 +159,9 @@ static __always_inline int merge_sparse(struct dosa_hdr *h, void *data_end, u32 
 	if (!ws)
 		return DROP(INTERNAL);
 
-	u64 buf0 = (u64)job->pool_off + ((u64)local * 2 + parity) * psize;
-	if (buf0 + psize > DOSA_POOL_SLOTS)
+	u64 stride = job->stride;
+	u64 buf0 = (u64)job->pool_off + ((u64)local * 2 + parity) * stride;
+	if (hi - lo > stride || buf0 + stride > DOSA_POOL_SLOTS)
 		return DROP(INTERNAL);
 
 	/* Pass 1: every index inside the partition. */

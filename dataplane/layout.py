@@ -18,7 +18,7 @@ class Job(ctypes.Structure):
                 ("num_owned", ctypes.c_uint32), ("mode", ctypes.c_uint32),
                 ("pool_off", ctypes.c_uint32), ("pstate_off", ctypes.c_uint32),
                 ("wstate_off", ctypes.c_uint32), ("scale_exp", ctypes.c_int32),
-                ("port", ctypes.c_uint32), ("reserved", ctypes.c_uint32)]
+                ("port", ctypes.c_uint32), ("stride", ctypes.c_uint32)]
 
 
 class FlowKey(ctypes.Structure):

@@ -68,10 +68,15 @@ class JobInfo:
     wstate_off: int
     scale_exp: int
     port: int
+    stride: int = 0  # slots per buffer; 0 = min(partition_size, numel)
+
+    def __post_init__(self):
+        if not self.stride:
+            object.__setattr__(self, "stride", min(self.partition_size, self.numel))
 
     @property
     def pool_len(self) -> int:
-        return self.num_owned * 2 * self.partition_size
+        return self.num_owned * 2 * self.stride
 
     @property
     def wstate_len(self) -> int:
@@ -94,11 +99,11 @@ class JobInfo:
         return p // self.num_dpus
 
     def to_struct(self) -> layout.Job:
-        return layout.Job(**{f: getattr(self, f) for f, _ in layout.Job._fields_ if f != "reserved"})
+        return layout.Job(**{f: getattr(self, f) for f, _ in layout.Job._fields_})
 
     @classmethod
     def from_struct(cls, job_id: int, s: layout.Job) -> "JobInfo":
-        return cls(job_id=job_id, **{f: getattr(s, f) for f, _ in layout.Job._fields_ if f != "reserved"})
+        return cls(job_id=job_id, **{f: getattr(s, f) for f, _ in layout.Job._fields_})
 
 
 @dataclass(frozen=True)
@@ -211,7 +216,7 @@ class DataplaneMaps:
         j = job or self._job(job_id)
         local = j.local(partition)
         lo, hi = j.bounds(partition)
-        start = j.pool_off + (local * 2 + (round & 1)) * j.partition_size
+        start = j.pool_off + (local * 2 + (round & 1)) * j.stride
         return self.pool[start:start + (hi - lo)]
 
     def _ps_index(self, j: JobInfo, partition: int) -> int:
