@@ -150,6 +150,11 @@ def run_dir(prefix: str, directory: Path | None = None) -> Path:
     return (directory or state_dir()) / prefix
 
 
+PIN_ROOT = f"{BPF_ROOT}/dosa"  # the dataplane loader's root (dataplane/loader.py)
+
+
 def pin_dir(prefix: str) -> Path:
-    """Where the DPU side pins its BPF maps (``/sys/fs/bpf/<prefix>/<dpu>``); removed by ``down``."""
-    return Path(BPF_ROOT) / prefix
+    """Where this testbed's DPUs pin their BPF programs and maps (``<dir>/<dpu>``); removed by
+    ``down``. Under the dataplane's root but in a directory of its own: removing it never touches
+    another testbed's or a standalone ``dosa ctl`` instance."""
+    return Path(PIN_ROOT) / f"tb-{prefix}"

@@ -260,9 +260,13 @@ class Testbed:
         pins = self.pin_dir.exists()
         if pins:
             shutil.rmtree(self.pin_dir, ignore_errors=True)
+            try:
+                self.pin_dir.parent.rmdir()  # /sys/fs/bpf/dosa, only when nothing else is in it
+            except OSError:
+                pass
         shutil.rmtree(self.run_dir, ignore_errors=True)
         # the control plane's records of this testbed's dataplane instances (control.controller
-        # names them after the pin directory: /run/dosa/sys_fs_bpf_<prefix>_<dpu>.json/.lock)
+        # names them after the pin directory: /run/dosa/sys_fs_bpf_dosa_tb-<prefix>_<dpu>.json)
         tag = str(self.pin_dir).strip("/").replace("/", "_")
         for f in Path(config.STATE_DIR).glob(f"{tag}_*"):
             if f.suffix in (".json", ".lock"):
