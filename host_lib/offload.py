@@ -107,6 +107,7 @@ class OffloadedLoader:
         self._epoch = 0
         self._len: int | None = None
         self._local = None  # the local pipeline, built on first fallback
+        self._sock: socket.socket | None = None  # kept between epochs
         self.fell_back = False
         #: batches received from the service / computed locally (over the loader's life)
         self.remote_batches = 0
@@ -195,23 +196,57 @@ class OffloadedLoader:
                 yield self._out(x, y, ids)
 
     def _remote_epoch(self, epoch: int, n: int):
-        """Yield (x, y, ids) of batches 0..n-1 from the service; raises on any deviation."""
-        with connect(self.address, self.timeout) as sock:
-            send_message(sock, "epoch", {
-                "dataset": self.dataset, "split": self.split, "batch_size": self.batch_size,
-                "seed": self.seed, "epoch": epoch, "start": 0, "drop_last": self.drop_last,
-                "augment": None if self.augment is None else self.augment.to_dict()})
-            for expected in range(n + 1):
+        """Yield (x, y, ids) of batches 0..n-1 from the service; raises on any deviation.
+
+        The connection is kept between epochs (the service prepares the next epoch meanwhile). It
+        is closed whenever an epoch does not end cleanly, since the stream's state is then unknown.
+        A kept connection that turns out dead before its first answer is replaced once."""
+        request = {"dataset": self.dataset, "split": self.split, "batch_size": self.batch_size,
+                   "seed": self.seed, "epoch": epoch, "start": 0, "drop_last": self.drop_last,
+                   "augment": None if self.augment is None else self.augment.to_dict()}
+        sock, self._sock = self._sock, None
+        reused = sock is not None
+        try:
+            try:
+                if sock is None:
+                    sock = connect(self.address, self.timeout)
+                send_message(sock, "epoch", request)
                 msg = recv_message(sock)
+            except (ConnectionClosed, OSError):
+                if not reused:
+                    raise
+                sock.close()
+                sock = connect(self.address, self.timeout)
+                send_message(sock, "epoch", request)
+                msg = recv_message(sock)
+            for expected in range(n + 1):
+                if expected:
+                    msg = recv_message(sock)
                 if msg.kind == "error":
                     raise _service_error(msg)
                 if msg.kind == "end" and expected == n:
+                    self._sock, sock = sock, None  # clean end: keep it for the next epoch
                     return
-                if msg.kind != "batch" or msg.meta.get("index") != expected \
+                if expected == n or msg.kind != "batch" or msg.meta.get("index") != expected \
                         or msg.meta.get("epoch") != epoch or set(msg.arrays) != {"x", "y", "ids"}:
-                    raise FrameError(f"expected batch {expected} of epoch {epoch}, got {msg.kind} "
-                                     f"{msg.meta}")
+                    want = "the end" if expected == n else f"batch {expected}"
+                    raise FrameError(f"expected {want} of epoch {epoch}, got {msg.kind} {msg.meta}")
                 yield msg.arrays["x"], msg.arrays["y"], msg.arrays["ids"]
+        finally:
+            if sock is not None:
+                sock.close()
+
+    def close(self) -> None:
+        """Close the kept connection (the service then stops preparing the next epoch)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 class ValidationHandle:
@@ -574,6 +609,8 @@ def run_training(dataset: str = "digits", model_spec: dict | None = None, epochs
     finally:
         if validator is not None:
             validator.close()
+        if isinstance(loader, OffloadedLoader):
+            loader.close()
     return {"epochs": rows, "seconds": time.perf_counter() - start,
             "cpu_seconds": time.process_time() - cpu_start, "offloaded": bool(offload),
             "fell_back": bool(offload) and (loader.fell_back or validator.fell_back)}

@@ -9,8 +9,8 @@ Requests on a connection (see protocol.py for framing):
 Anything wrong -> ``error`` {message}, then the connection is closed.
 
 Prefetch and backpressure: a producer thread fills a bounded queue of ``prefetch`` batches while the
-connection thread sends; when the host reads slowly, TCP's window fills, ``sendall`` blocks, the
-queue fills and the producer waits. At most ``prefetch`` batches (plus the socket buffers) are ever
+connection thread sends (once an epoch is sent, it starts on the next one); when the host reads
+slowly, TCP's window fills, ``sendall`` blocks, the queue fills and the producer waits. At most ``prefetch`` batches (plus the socket buffers) are ever
 ahead of the host. The host names the first batch it wants (``start``), so a reconnect resumes
 exactly where it stopped.
 """
@@ -40,6 +40,45 @@ def _field(meta: dict, key: str, kind, default=None):
     return v
 
 
+class Producer:
+    """Computes batches ``start..`` of one epoch into a bounded queue on its own thread."""
+
+    def __init__(self, pipe, key: tuple, epoch: int, start: int, prefetch: int):
+        self.pipe, self.key, self.epoch, self.start = pipe, key, epoch, start
+        self._ready: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="augment-producer", daemon=True)
+        self._thread.start()
+
+    def matches(self, key: tuple, epoch: int, start: int) -> bool:
+        return (self.key, self.epoch, self.start) == (key, epoch, start)
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._ready.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for b in range(self.start, len(self.pipe)):
+                if not self._put((b, self.pipe.batch(self.epoch, b))):
+                    return
+            self._put(_DONE)
+        except Exception as e:  # reported to the host as an error message
+            self._put(e)
+
+    def get(self):
+        return self._ready.get()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 class AugmentServer(_server.Server):
     name = "augment"
 
@@ -52,70 +91,66 @@ class AugmentServer(_server.Server):
         super().__init__(address)
 
     def serve_connection(self, sock: socket.socket) -> None:
-        while True:
-            try:
-                msg = recv_message(sock)
-            except ConnectionClosed:
-                return
-            if msg.kind == "info":
-                ds = load_dataset(_field(msg.meta, "dataset", str))
-                split = ds.split(_field(msg.meta, "split", str, "train"))
-                send_message(sock, "info", {"samples": len(split), "image_shape": split.image_shape,
-                                            "classes": ds.classes, "dtype": "float32"})
-            elif msg.kind == "epoch":
-                self._stream_epoch(sock, msg.meta)
-            else:
-                raise FrameError(f"unknown request {msg.kind!r}")
+        """Answer requests until the host hangs up. After streaming an epoch, the next epoch of the
+        same pipeline is prepared speculatively: a host that asks for it next (the usual case)
+        finds its first batches ready instead of waiting at every epoch boundary."""
+        producer: Producer | None = None
+        try:
+            while True:
+                try:
+                    msg = recv_message(sock)
+                except ConnectionClosed:
+                    return
+                if msg.kind == "info":
+                    ds = load_dataset(_field(msg.meta, "dataset", str))
+                    split = ds.split(_field(msg.meta, "split", str, "train"))
+                    send_message(sock, "info", {"samples": len(split), "image_shape": split.image_shape,
+                                                "classes": ds.classes, "dtype": "float32"})
+                elif msg.kind == "epoch":
+                    key, epoch, start = self._parse_epoch(msg.meta)
+                    if producer is None or not producer.matches(key, epoch, start):
+                        if producer is not None:
+                            producer.close()
+                        producer = Producer(self._pipeline(key), key, epoch, start, self.prefetch)
+                    self._stream(sock, producer)
+                    producer = Producer(producer.pipe, key, epoch + 1, 0, self.prefetch)
+                else:
+                    raise FrameError(f"unknown request {msg.kind!r}")
+        finally:
+            if producer is not None:
+                producer.close()
 
-    def _stream_epoch(self, sock: socket.socket, meta: dict) -> None:
+    @staticmethod
+    def _parse_epoch(meta: dict) -> tuple[tuple, int, int]:
         augment = meta.get("augment")
         if augment is not None and not isinstance(augment, dict):
             raise FrameError("request field 'augment' must be an object or null")
-        pipe = make_pipeline(_field(meta, "dataset", str), _field(meta, "split", str, "train"),
-                             _field(meta, "batch_size", int), _field(meta, "seed", int),
-                             AugmentConfig.from_dict(augment) if augment is not None else None,
-                             drop_last=_field(meta, "drop_last", bool, False))
-        epoch, start = _field(meta, "epoch", int), _field(meta, "start", int, 0)
-        if epoch < 0 or not 0 <= start <= len(pipe):
-            raise DosaError(f"epoch {epoch} / start batch {start} out of range "
+        cfg = AugmentConfig.from_dict(augment) if augment is not None else None
+        key = (_field(meta, "dataset", str), _field(meta, "split", str, "train"),
+               _field(meta, "batch_size", int), _field(meta, "seed", int), cfg,
+               _field(meta, "drop_last", bool, False))
+        return key, _field(meta, "epoch", int), _field(meta, "start", int, 0)
+
+    @staticmethod
+    def _pipeline(key: tuple):
+        dataset, split, batch_size, seed, cfg, drop_last = key
+        return make_pipeline(dataset, split, batch_size, seed, cfg, drop_last=drop_last)
+
+    @staticmethod
+    def _stream(sock: socket.socket, producer: Producer) -> None:
+        pipe, epoch = producer.pipe, producer.epoch
+        if epoch < 0 or not 0 <= producer.start <= len(pipe):
+            raise DosaError(f"epoch {epoch} / start batch {producer.start} out of range "
                             f"(the epoch has {len(pipe)} batches)")
-        ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
-
-        def put(item) -> bool:
-            while not stop.is_set():
-                try:
-                    ready.put(item, timeout=0.2)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        def produce():
-            try:
-                for b in range(start, len(pipe)):
-                    if not put((b, pipe.batch(epoch, b))):
-                        return
-                put(_DONE)
-            except Exception as e:  # reported to the host as an error message
-                put(e)
-
-        producer = threading.Thread(target=produce, name="augment-producer", daemon=True)
-        producer.start()
-        try:
-            while True:
-                item = ready.get()
-                if item is _DONE:
-                    send_message(sock, "end", {"epoch": epoch, "batches": len(pipe)})
-                    return
-                if isinstance(item, Exception):
-                    raise DosaError(f"augmentation failed: {item}")
-                b, (x, y, ids) = item
-                send_message(sock, "batch", {"epoch": epoch, "index": b},
-                             {"x": x, "y": y, "ids": ids})
-        finally:
-            stop.set()
-            producer.join(timeout=5)
+        while True:
+            item = producer.get()
+            if item is _DONE:
+                send_message(sock, "end", {"epoch": epoch, "batches": len(pipe)})
+                return
+            if isinstance(item, Exception):
+                raise DosaError(f"augmentation failed: {item}")
+            b, (x, y, ids) = item
+            send_message(sock, "batch", {"epoch": epoch, "index": b}, {"x": x, "y": y, "ids": ids})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
