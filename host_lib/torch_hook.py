@@ -78,9 +78,16 @@ class DosaHookStats:
 def _default_client_factory(numel: int):
     """Join the job the environment names (DOSA_CONTROL_ADDR / DOSA_CONTROL_PORT / DOSA_JOB_ID,
     set by ``dosa testbed run``) with host_lib's AggregationClient."""
+    from dosa.errors import DosaError
     from host_lib.client import AggregationClient  # imported late: dosa may be absent
 
-    return AggregationClient.from_env(numel=numel)
+    client = AggregationClient.from_env(numel=numel)
+    job_numel = getattr(getattr(client, "job", None), "numel", numel)
+    if job_numel != numel:
+        client.close()
+        raise DosaError(f"the dosa job has numel {job_numel} but the model's gradient has {numel} "
+                        f"entries")
+    return client
 
 
 class DosaHookState:

@@ -1,0 +1,43 @@
+"""``dosa demo``: see dosa/demo.py."""
+from __future__ import annotations
+
+import json
+
+from dosa.demo import BACKENDS, DemoConfig
+
+
+def register(sub) -> None:
+    p = sub.add_parser("demo", help="train a small model with DDP via dosa and via dense Gloo, compare")
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--dpus", type=int, default=1)
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=8, help="per host")
+    p.add_argument("--warmup-steps", type=int, default=0, help="dense steps before dosa takes over")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="demo-out", help="directory for demo.json and loss.png")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="testbed (namespaces, root), loopback (userspace DPU workers), auto")
+    p.add_argument("--offload", action="store_true", help="also offload augmentation/validation to "
+                   "the DPUs (not available yet)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds for the training runs")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args) -> int:
+    from dosa.demo import format_report, run_demo
+
+    cfg = DemoConfig(hosts=args.hosts, dpus=args.dpus, density=args.density, epochs=args.epochs,
+                     batch_size=args.batch_size, warmup_steps=args.warmup_steps, seed=args.seed,
+                     out=args.out, backend=args.backend, offload=args.offload, timeout=args.timeout)
+    summary = run_demo(cfg, echo=(lambda line: None) if args.json else print)
+    if args.json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "runs"}
+                         | {"runs": {c: {k: v for k, v in r.items() if k != "loss_per_step"}
+                                     for c, r in summary["runs"].items()}}, indent=1))
+    else:
+        print(format_report(summary))
+        print(f"wrote {args.out}/demo.json" + (f" and {summary['plot']}" if summary["plot"] else
+                                                " (no plot: install the `plot` extra)"))
+    return 0 if summary["within_target"] else 1
