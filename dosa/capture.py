@@ -244,6 +244,42 @@ def _gather(buf, at: np.ndarray, width: int) -> np.ndarray:
     return buf[at[:, None] + np.arange(width)] if len(at) else np.zeros((0, width), np.uint8)
 
 
+def _words(buf, at: np.ndarray) -> np.ndarray:
+    """Big-endian u32 at byte offsets ``at`` (int64 result).
+
+    One gather of 4-byte words instead of 4 byte gathers: the buffer is viewed as ``>u4`` at each
+    of the 4 byte shifts (views, no copies) and each offset reads from the view of its shift."""
+    def view(k):
+        n = (len(buf) - k) // 4
+        return buf[k: k + 4 * n].view(">u4")
+
+    if not len(at):
+        return np.zeros(0, np.int64)
+    shift = at & 3
+    k0 = int(shift[0])
+    if (shift == k0).all():  # the usual case: every frame of a capture has the same headers
+        return view(k0)[(at - k0) >> 2].astype(np.int64)
+    out = np.empty(len(at), np.int64)
+    for k in range(4):
+        m = shift == k
+        out[m] = view(k)[(at[m] - k) >> 2]
+    return out
+
+
+def _entries(buf, hdr, start, rows, entry_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(packet row, absolute index, value) of every entry of packets ``rows``, which all have
+    ``entry_len``-byte entries (8: sparse (u32 index, s32 value); 4: dense s32 at base + position)."""
+    counts = hdr["count"][rows].astype(np.int64)
+    pkt = np.repeat(rows, counts)
+    pos = np.arange(len(pkt)) - np.repeat(np.cumsum(counts) - counts, counts)
+    at = start[pkt] + HDR_LEN + pos * entry_len
+    if entry_len == wire.SPARSE_ENTRY_LEN:
+        index, value = _words(buf, at), _words(buf, at + 4)
+    else:
+        index, value = hdr["base"][pkt].astype(np.int64) + pos, _words(buf, at)
+    return pkt, index, np.where(value >= 2**31, value - 2**32, value)  # s32 two's complement
+
+
 def read_capture(path: str | Path, port: int | None = None) -> DosaCapture:
     """Read every dosa packet of a capture. Raises DosaError for a missing or non-capture file.
 
@@ -280,19 +316,9 @@ def read_capture(path: str | Path, port: int | None = None) -> DosaCapture:
                         for t, n in zip(*np.unique(hdr["type"], return_counts=True))}
 
     t = hdr["type"].astype(np.int64)
-    with_entries = _SPARSE[t] | _DENSE[t]
-    rows = np.flatnonzero(with_entries)
-    counts = hdr["count"][rows].astype(np.int64)
-    width = _ENTRY_LEN[t[rows]]
-    entry_pkt = np.repeat(rows, counts)
-    pos = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    at = start[entry_pkt] + HDR_LEN + pos * np.repeat(width, counts)
-    sparse = _SPARSE[t[entry_pkt]]
-    first = _be32(buf, at)  # sparse: index; dense: the value
-    second = _be32(buf, np.where(sparse, at + 4, at))
-    to_s32 = lambda u: np.where(u >= 2**31, u - 2**32, u)  # noqa: E731
-    entry_index = np.where(sparse, first, hdr["base"][entry_pkt].astype(np.int64) + pos)
-    entry_value = to_s32(np.where(sparse, second, first))
+    parts = [_entries(buf, hdr, start, np.flatnonzero(_SPARSE[t]), wire.SPARSE_ENTRY_LEN),
+             _entries(buf, hdr, start, np.flatnonzero(_DENSE[t]), wire.DENSE_ENTRY_LEN)]
+    entry_pkt, entry_index, entry_value = (np.concatenate(x) for x in zip(*parts))
     return DosaCapture(hdr, frame, start, length, buf, entry_pkt, entry_index, entry_value, stats)
 
 
