@@ -45,4 +45,7 @@ def register_bench(bench_sub) -> None:
     b.add_argument("--host-cpu", type=int, default=0)
     b.add_argument("--dpu-cpus", default="1")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--nice", type=int, default=0,
+                   help="niceness of the host loop and the services alike (e.g. -10 on a busy shared "
+                        "machine, to approach dedicated cores; below 0 needs root)")
     b.set_defaults(func=bench.main)
