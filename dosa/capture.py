@@ -333,8 +333,8 @@ def _runs(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
     order = np.lexsort(keys[::-1])
-    new = np.ones(n, bool)
-    new[1:] = np.zeros(n - 1, bool)
+    new = np.zeros(n, bool)
+    new[0] = True
     for k in keys:
         ks = k[order]
         new[1:] |= ks[1:] != ks[:-1]

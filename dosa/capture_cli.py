@@ -112,8 +112,14 @@ def cmd_verify(args) -> int:
     if rep["ok"]:
         print("OK")
     elif not rep["mismatches"]:
-        print("FAILED: " + ("incomplete rounds (--strict)" if rep["verified"] else
-                            "nothing could be verified (no partition with complete data and result)"))
+        if rep["verified"]:
+            why = "incomplete rounds (--strict)"
+        elif not cap.stats["dosa_packets"]:
+            why = "nothing could be verified: no dosa packets in the capture" + (
+                f" on port {args.port}" if args.port is not None else "")
+        else:
+            why = "nothing could be verified (no partition with complete data and result)"
+        print("FAILED: " + why)
     else:
         print(f"FAILED: {len(rep['mismatches'])} partition results do not match their data")
     return 0 if rep["ok"] else 1
