@@ -425,3 +425,36 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
     wrpcap(str(empty), NOISE)
     rc, out = _cli("capture", "verify", str(empty), capsys=capsys)
     assert rc == 1 and "nothing could be verified" in out.out
+
+
+def test_packets_from_host_lib_packetizer_verify(tmp_path):
+    """Captures of what the real encoders produce (host_lib.packetizer for the workers' data and
+    the DPU's results) verify, and a result computed without one worker's data does not."""
+    from host_lib.packetizer import packetize, packetize_results
+
+    pm = wire.PartitionMap(numel=5000, partition_size=1200, num_dpus=2)
+    rng = np.random.default_rng(21)
+    batches, total = [], np.zeros(pm.numel, np.int64)
+    for w in range(3):
+        idx = np.sort(rng.choice(pm.numel, 900, replace=False)).astype(np.uint32)
+        val = rng.integers(-3000, 3000, len(idx)).astype(np.int32)
+        total[idx] += val
+        batches.append(packetize(idx, val, pm, job_id=JOB, worker_id=w, round=11, scale_exp=12))
+    nz = np.flatnonzero(total)
+    good = packetize_results(nz.astype(np.uint32), total[nz].astype(np.int32), pm, job_id=JOB, round=11,
+                             scale_exp=12)
+
+    def write(path, result_batch):
+        pk = [Ether() / IP() / UDP(sport=40000, dport=PORT) / Raw(b.packet(i))
+              for b in batches + [result_batch] for i in range(len(b))]
+        wrpcap(str(path), pk)
+        return path
+
+    rep = verify(read_capture(write(tmp_path / "h.pcap", good)))
+    assert rep["ok"] and rep["verified"] == pm.num_partitions == 5, rep
+    off_by_one = total[nz] + (nz % 7 == 0)  # every 7th index one too high
+    wrong = packetize_results(nz.astype(np.uint32), off_by_one.astype(np.int32), pm, job_id=JOB, round=11,
+                              scale_exp=12)
+    rep = verify(read_capture(write(tmp_path / "h2.pcap", wrong)))
+    assert not rep["ok"] and {m["partition"] for m in rep["mismatches"]} == set(range(5))
+    assert all(set(m["kinds"]) == {"wrong_value"} for m in rep["mismatches"])
