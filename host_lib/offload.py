@@ -231,7 +231,11 @@ class OffloadedLoader:
                         or msg.meta.get("epoch") != epoch or set(msg.arrays) != {"x", "y", "ids"}:
                     want = "the end" if expected == n else f"batch {expected}"
                     raise FrameError(f"expected {want} of epoch {epoch}, got {msg.kind} {msg.meta}")
-                yield msg.arrays["x"], msg.arrays["y"], msg.arrays["ids"]
+                x, y, ids = msg.arrays["x"], msg.arrays["y"], msg.arrays["ids"]
+                if x.dtype != np.float32 or x.ndim != 4 or y.dtype != np.int64 \
+                        or ids.dtype != np.int64 or not len(x) == len(y) == len(ids) > 0:
+                    raise FrameError(f"batch {expected} of epoch {epoch} has malformed arrays")
+                yield x, y, ids
         finally:
             if sock is not None:
                 sock.close()
