@@ -3,9 +3,11 @@
 
 numpy's ``np.flatnonzero(np.abs(a) >= t)`` makes three 25M-entry temporaries (abs, mask, indices);
 these kernels read the array once, compact the hits into preallocated outputs, and detect NaN/Inf in
-the same pass, without the GIL. The array is scanned in blocks of 16: a branch-free count of
-``!(|x| < t)`` per block (the compiler vectorizes it; ``!(v < t)`` is also true for NaN) lets the
-~85% of blocks without a hit at density 0.01 skip the scalar compaction loop.
+the same pass, without the GIL. The array is scanned in blocks of 32: a branch-free max-reduction of the magnitude bits
+(vectorized by the compiler; an AVX2 clone is picked at load time where the CPU has it) tells whether
+the block holds a hit or a NaN/Inf; ~75% of blocks at density 0.01 have neither and cost a few
+vector instructions. Hit blocks are compacted branch-free. About 1.3x the time of ``np.sum`` over the
+same array (measured: 19 ms vs 15 ms CPU for 25M float32).
 """
 from libc.stdint cimport uint32_t, int64_t
 
@@ -13,7 +15,35 @@ cdef extern from *:
     """
     #include <math.h>
     #include <stdint.h>
-    #define DOSA_BLOCK 16
+    #include <string.h>
+    #define DOSA_BLOCK 32
+    typedef uint32_t __attribute__((may_alias)) dosa_u32a;  /* read float bits without UB */
+
+    static const uint32_t INF_BITS = 0x7f800000u;  /* |x| bits >= this: Inf or NaN */
+
+    /* Element by element over [lo, hi): x = r (+ g); non-finite counted and skipped (r keeps its old
+       finite value), finite stored back to r (if g) and collected when |x| bits >= tb. */
+    static inline void dosa_scalar(float *r, const float *g, int64_t lo, int64_t hi, uint32_t tb,
+                                   uint32_t *idx, float *val, int64_t cap, int64_t *c,
+                                   int64_t *nbad, int64_t *fbad)
+    {
+        for (int64_t i = lo; i < hi; i++) {
+            float v = g ? r[i] + g[i] : r[i];
+            uint32_t b;
+            memcpy(&b, &v, 4);
+            b &= 0x7fffffffu;
+            if (b >= INF_BITS) {
+                if (*fbad < 0) *fbad = i;
+                (*nbad)++;
+                continue;
+            }
+            if (g) r[i] = v;
+            if (b >= tb) {
+                if (*c < cap) { idx[*c] = (uint32_t)i; val[*c] = v; }
+                (*c)++;
+            }
+        }
+    }
 
     /* Compact (i, x[i]) for |x[i]| >= t. If g != NULL, x = r + g is first stored into r (only when
        finite). Non-finite x are counted, never selected. Returns the number of hits (may exceed cap:
@@ -24,42 +54,47 @@ cdef extern from *:
     static int64_t dosa_select(float *r, const float *g, int64_t n, float t, uint32_t *idx,
                                float *val, int64_t cap, int64_t *bad, int64_t *first_bad)
     {
-        int64_t c = 0, nbad = 0, fbad = -1, i0, j, end;
+        int64_t c = 0, nbad = 0, fbad = -1, i0, j;
         float tmp[DOSA_BLOCK];
-        for (i0 = 0; i0 < n; i0 += DOSA_BLOCK) {
-            end = i0 + DOSA_BLOCK <= n ? DOSA_BLOCK : n - i0;
+        /* |x| >= t as an integer compare of the IEEE bits without the sign: for non-negative floats
+           bit order is value order. t <= 0 selects every finite entry, t = NaN none. */
+        uint32_t tb;
+        float tpos = t > 0 ? t : 0.0f;
+        memcpy(&tb, &tpos, 4);
+        if (t != t) tb = 0xffffffffu;
+        /* Full blocks: constant trip counts, so the checks unroll and vectorize. */
+        for (i0 = 0; i0 + DOSA_BLOCK <= n; i0 += DOSA_BLOCK) {
             const float *x = r + i0;
             if (g) {
-                for (j = 0; j < end; j++)
+                for (j = 0; j < DOSA_BLOCK; j++)
                     tmp[j] = r[i0 + j] + g[i0 + j];
                 x = tmp;
             }
-            int hit = 0;
-            for (j = 0; j < end; j++)
-                hit |= !(fabsf(x[j]) < t);  /* also true for NaN and, t being finite, Inf */
-            if (g) {
-                if (!hit) {
-                    for (j = 0; j < end; j++)
-                        r[i0 + j] = tmp[j];
-                    continue;
+            const dosa_u32a *xb = (const dosa_u32a *)x;
+            int32_t mx = 0;   /* largest |x| bits of the block: a max-reduction vectorizes */
+            for (j = 0; j < DOSA_BLOCK; j++) {
+                int32_t b = (int32_t)(xb[j] & 0x7fffffffu);
+                mx = b > mx ? b : mx;
+            }
+            int hit = (uint32_t)mx >= tb, nf = (uint32_t)mx >= INF_BITS;
+            if (!nf && (!hit || c + DOSA_BLOCK <= cap)) {
+                if (g)
+                    memcpy(r + i0, tmp, sizeof(tmp));
+                if (hit) {
+                    /* branch-free compaction: always write, advance only on a hit */
+                    for (j = 0; j < DOSA_BLOCK; j++) {
+                        idx[c] = (uint32_t)(i0 + j);
+                        val[c] = x[j];
+                        c += (xb[j] & 0x7fffffffu) >= tb;
+                    }
                 }
-            } else if (!hit) {
                 continue;
             }
-            for (j = 0; j < end; j++) {
-                float v = x[j], a = fabsf(v);
-                if (!(a < INFINITY)) {
-                    if (fbad < 0) fbad = i0 + j;
-                    nbad++;
-                    continue;   /* r keeps its old finite value */
-                }
-                if (g) r[i0 + j] = v;
-                if (a >= t) {
-                    if (c < cap) { idx[c] = (uint32_t)(i0 + j); val[c] = v; }
-                    c++;
-                }
-            }
+            /* r is untouched for this block so far: the scalar loop does the add itself */
+            dosa_scalar(r, g, i0, i0 + DOSA_BLOCK, tb, idx, val, cap, &c, &nbad, &fbad);
         }
+        /* The tail, and any block with non-finite entries or nearly full outputs. */
+        dosa_scalar(r, g, i0, n, tb, idx, val, cap, &c, &nbad, &fbad);
         *bad = nbad;
         *first_bad = fbad;
         return c;
