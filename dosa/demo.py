@@ -49,7 +49,7 @@ class DemoConfig:
     warmup_steps: int = 0
     hidden: int = 128
     seed: int = 0
-    out: str = "demo-out"
+    out: str = "out/demo"
     backend: str = "auto"
     offload: bool = False
     timeout: float = 900.0

@@ -15,7 +15,7 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="per host")
     p.add_argument("--warmup-steps", type=int, default=0, help="dense steps before dosa takes over")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="demo-out", help="directory for demo.json and loss.png")
+    p.add_argument("--out", default="out/demo", help="directory for demo.json and loss.png")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="testbed (namespaces, root), loopback (userspace DPU workers), auto")
     p.add_argument("--offload", action="store_true", help="also offload augmentation/validation to "

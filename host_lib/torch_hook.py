@@ -62,6 +62,7 @@ class DosaHookStats:
     retransmissions: int = 0
     entries_sent: int = 0  #: nonzero (index, value) pairs this host sent
     numel: int = 0  #: size of the concatenated gradient
+    buckets_per_step: int = 0  #: DDP buckets concatenated into the last dosa round
     densities: list[float] = field(default_factory=list)  #: sent entries / numel, per dosa round
     residual_resets: int = 0  #: buckets whose layout changed (DDP rebuilds buckets after step 1)
     dosa_seconds: float = 0.0  #: wall time spent in dosa rounds (encode + allreduce + decode)
@@ -289,6 +290,7 @@ class DosaHookState:
             st = self.stats
             st.dosa_rounds += 1
             st.numel = acc.size
+            st.buckets_per_step = len(pending)
             st.entries_sent += int(enc.indices.size)
             st.densities.append(enc.indices.size / acc.size if acc.size else 0.0)
             for key, val in hook_codec.client_counters(self._client).items():

@@ -87,6 +87,8 @@ def parse_args(argv=None):
                    help="dosa: apply --momentum in the hook (DGC momentum correction), not in SGD")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="DDP bucket size (default DDP's 25 MB: this model fits one bucket)")
     p.add_argument("--json", metavar="PATH", help="write the summary here ({rank} -> rank)")
     p.add_argument("--quiet", action="store_true", help="no per-epoch progress lines")
     args = p.parse_args(argv)
@@ -121,7 +123,7 @@ def train_one(comm: str, args, rank: int, world: int, data, progress: bool) -> d
     """One training run (fresh model, same seed) with ``comm`` reducing the gradients."""
     xtr, ytr, xte, yte = data
     torch.manual_seed(args.seed)
-    model = DDP(DigitsMLP(args.hidden))
+    model = DDP(DigitsMLP(args.hidden), bucket_cap_mb=args.bucket_cap_mb)
     nparams = sum(p.numel() for p in model.parameters())
     state = None
     if comm == "dosa":
