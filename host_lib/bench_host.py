@@ -90,6 +90,7 @@ def run(numel: int, density: float, *, workers: int = 4, num_dpus: int = 2, repe
         "exact_ms": exact_ms, "fast_ms": fast_ms, "ratio_exact_over_fast": ratio,
         "fast_selected": int(len(idx)), "fast_selected_over_k": len(idx) / k if k else None,
         "fast_mass_over_exact_mass": fast_mass / exact_mass if exact_mass else None,
+        "fast_recall_of_exact_topk": float(np.isin(exact_idx, idx, assume_unique=True).mean()) if k else None,
         "quantize_ms": quantize_ms, "scale_exp": s,
         "packets": len(batch), "packetize_ms": packetize_ms, "parse_ms": parse_ms,
         "packetize_plus_parse_ms": packetize_ms + parse_ms, "encode_ms": encode_ms,
