@@ -135,19 +135,19 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
             raise DosaError(str(e)) from None
         args.numel = len(loaded[0])
         say(f"gradients from {args.gradients}: {len(loaded)} hosts x {args.numel} entries")
-    machine = {"cpus": len(os.sched_getaffinity(0)), "load_avg": list(os.getloadavg())}
-    pr = None
-    if "limit" in args.baselines and args.packet_rate_seconds > 0:
-        if os.geteuid() == 0:
-            say(f"measuring the raw UDP packet rate ({args.packet_rate_seconds:g} s, veth pair)...")
-            pr = L.measure_packet_rate(args.packet_rate_seconds)
-            say(f"  {pr['pps']:.0f} packets/s delivered ({pr['gbit_s']:.2f} Gbit/s of 1472-byte datagrams)")
-        else:
-            say("not root: the packet rate is not measured (limit counts the link only)")
-    machine["packet_rate"] = pr
+    machine = {"cpus": len(os.sched_getaffinity(0)), "load_avg": list(os.getloadavg()), "packet_rate": []}
+    if "limit" in args.baselines and args.packet_rate_seconds > 0 and os.geteuid() != 0:
+        say("not root: the packet rate is not measured (limit counts the link only)")
     runs = []
     for world in args.hosts:
         t0 = time.monotonic()
+        pr = None
+        if "limit" in args.baselines and args.packet_rate_seconds > 0 and os.geteuid() == 0:
+            # measured again for every host count: on a shared machine the rate moves with the load
+            say(f"measuring the raw UDP packet rate ({args.packet_rate_seconds:g} s, veth pair)...")
+            pr = L.measure_packet_rate(args.packet_rate_seconds)
+            say(f"  {pr['pps']:.0f} packets/s delivered ({pr['gbit_s']:.2f} Gbit/s of 1472-byte datagrams)")
+            machine["packet_rate"].append({"hosts": world, **pr})
         say(f"== {world} hosts: generating gradients ({args.numel} entries, correlation {args.correlation})")
         grads = _gradients_for(args, world, loaded)
         wd = B.prepare_workdir(grads, args.density)
