@@ -12,6 +12,7 @@ from dosa import wire
 
 XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX = 0, 1, 2, 3
 PORT = wire.DEFAULT_PORT
+HDR_OFF = 14 + 20 + 8  # Ethernet + IPv4 (no options) + UDP: where the dosa header starts
 
 
 def worker_addr(w: int) -> tuple[str, int]:
