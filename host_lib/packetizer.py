@@ -268,8 +268,8 @@ class ParsedPackets:
 
     ``headers[i]`` is packet i's header (HEADER_DTYPE, big-endian fields; numpy converts on read).
     Its entries are ``indices[offsets[i]:offsets[i+1]]`` / ``values[...]``: for sparse types the
-    (index, value) pairs, for dense types index = base + position, for RETX_REQUEST the requested
-    seq numbers are in ``indices`` (values 0). ``dropped`` counts malformed packets skipped
+    (index, value) pairs, for dense types index = base + position, for RETX_REQUEST and STATUS the
+    u32 entries (seq numbers, worker ids) are in ``indices`` (values 0). ``dropped`` counts malformed packets skipped
     (only with ``on_error="drop"``); ``kept`` maps each parsed packet to its slot in the batch.
     """
 
