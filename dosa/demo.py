@@ -53,6 +53,7 @@ class DemoConfig:
     backend: str = "auto"
     offload: bool = False
     timeout: float = 900.0
+    testbed_prefix: str = "dosademo"
     extra_train_args: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -378,7 +379,7 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     json_tmpl = str(workdir / "rank{rank}.json")
     t0 = time.monotonic()
     if backend == "testbed":
-        cluster = TestbedCluster(cfg.hosts, cfg.dpus, workdir, echo)
+        cluster = TestbedCluster(cfg.hosts, cfg.dpus, workdir, echo, prefix=cfg.testbed_prefix)
     else:
         cluster = LoopbackCluster(cfg.hosts, cfg.dpus, cfg.numel, workdir, cfg.density, echo=echo)
     echo("bringing up " + ("the testbed" if backend == "testbed" else "userspace DPU worker(s) on loopback"))
@@ -390,7 +391,7 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     dosa, dense = runs["dosa"], runs["dense"]
     gap = (dense["test_accuracy"] - dosa["test_accuracy"]) * 100
     summary = {
-        "config": {k: v for k, v in asdict(cfg).items() if k != "extra_train_args"},
+        "config": asdict(cfg),
         "backend": backend, "elapsed_s": time.monotonic() - t0,
         "accuracy_gap_points": gap, "target_points": TARGET_POINTS, "within_target": gap <= TARGET_POINTS,
         "bytes_ratio_dense_over_dosa": (dense["bytes_per_step"] / dosa["bytes_per_step"]
