@@ -25,7 +25,8 @@ def open_maps(instance: str | None):
 def jobs_from_maps(maps, my_addr: tuple[str, int], density: float = 0.01) -> list[JobConfig]:
     """JobConfigs of every job installed in the dataplane, built from its maps alone (jobs +
     flows): what a worker started without a job file serves. Other DPUs' addresses are not in this
-    DPU's maps and a worker never needs them: they are filled with this DPU's own address."""
+    DPU's maps and a worker never needs them: they are left as 0.0.0.0; this DPU's own address
+    sits at its index, which is how the worker finds which partitions it owns."""
     from dataplane.maps import MODE_GTOPK
 
     out = []
@@ -34,8 +35,10 @@ def jobs_from_maps(maps, my_addr: tuple[str, int], density: float = 0.01) -> lis
         if len(flows) < j.workers:
             continue  # not every worker has joined yet: nothing can complete
         hosts = [flows[(j.job_id, w)] for w in range(j.workers)]
+        dpus = [("0.0.0.0", my_addr[1])] * j.num_dpus
+        dpus[j.dpu_index] = my_addr
         out.append(JobConfig(job_id=j.job_id, numel=j.numel, hosts=hosts,
-                             dpus=[my_addr] * j.num_dpus, partition_size=j.partition_size,
+                             dpus=dpus, partition_size=j.partition_size,
                              mode="gtopk" if j.mode == MODE_GTOPK else "sum", density=density,
                              scale_exp=j.scale_exp))
     return out

@@ -25,6 +25,12 @@ PORT = 17791
 CONTROL_PORT = 17800
 
 
+def _in_ns(ns: str) -> list[str]:
+    """Enter only the network namespace: ``ip netns exec`` would also remount /sys and hide the
+    bpffs where the control plane pins the dataplane's maps from the DPU worker."""
+    return ["nsenter", f"--net=/run/netns/{ns}", "--"]
+
+
 def _run(*argv, check=True):
     p = subprocess.run(list(argv), capture_output=True, text=True)
     if check and p.returncode != 0:
@@ -42,12 +48,7 @@ class Lab:
         self.host_ns, self.dpu_ns = [], []
         self.host_addr = [f"{subnet}.{10 + i}" for i in range(hosts)]
         self.dpu_addr = [f"{subnet}.{100 + d}" for d in range(dpus)]
-        obj = None
-        if loss_pct or dup_pct:
-            from testbed import impair
-            from testbed.shaping import Shaping
-
-            obj = impair.build(Shaping(loss_pct=loss_pct, dup_pct=dup_pct), self.tmp)
+        self.ports: list[str] = []
         for kind, addrs, lst in (("h", self.host_addr, self.host_ns), ("d", self.dpu_addr, self.dpu_ns)):
             for i, a in enumerate(addrs):
                 ns = netns_factory(f"{kind}{i}")
@@ -57,12 +58,29 @@ class Lab:
                 _run("ip", "-n", self.fab, "link", "set", port, "master", "br0", "up")
                 _run("ip", "-n", ns, "addr", "add", f"{a}/24", "dev", "eth0")
                 _run("ip", "-n", ns, "link", "set", "eth0", "up")
-                if obj is not None:
-                    impair.attach(self.fab, port, obj)
+                self.ports.append(port)
                 lst.append(ns)
+        self._impaired = False
+        if loss_pct or dup_pct:
+            self.impair(loss_pct, dup_pct)
         self.procs: list[subprocess.Popen] = []
         self.pin_dirs: list[str] = []
         self.ctl_procs: list[subprocess.Popen] = []
+
+    def impair(self, loss_pct: float, dup_pct: float) -> None:
+        """Random loss/duplication on every link, both directions (testbed.impair); 0, 0 removes it."""
+        from testbed import impair
+        from testbed.shaping import Shaping
+
+        if self._impaired:
+            for port in self.ports:
+                _run("tc", "-n", self.fab, "qdisc", "del", "dev", port, "clsact", check=False)
+            self._impaired = False
+        if loss_pct or dup_pct:
+            obj = impair.build(Shaping(loss_pct=loss_pct, dup_pct=dup_pct), self.tmp)
+            for port in self.ports:
+                impair.attach(self.fab, port, obj)
+            self._impaired = True
 
     def job(self, job_id=5, numel=200_000, partition_size=16384, mode="sum", density=0.01,
             scale_exp=10) -> JobConfig:
@@ -81,7 +99,7 @@ class Lab:
         return env
 
     def start_dpu(self, d: int, job_file: str, mode: str = "userspace", extra=()) -> subprocess.Popen:
-        argv = ["ip", "netns", "exec", self.dpu_ns[d], sys.executable, "-m", "dosa", "dpu", "run",
+        argv = [*_in_ns(self.dpu_ns[d]), sys.executable, "-m", "dosa", "dpu", "run",
                 "--mode", mode, "--job-config", job_file, "--dpu-index", str(d), *extra]
         log = open(self.tmp / f"dpu{d}.log", "a")
         p = subprocess.Popen(argv, cwd=ROOT, env=self._env(), stdout=log, stderr=subprocess.STDOUT,
@@ -96,7 +114,7 @@ class Lab:
         pin = f"/sys/fs/bpf/dosatest-{uuid.uuid4().hex[:8]}-d{d}"
         self.pin_dirs.append(pin)
         a = self.dpu_addr[d]
-        argv = ["ip", "netns", "exec", self.dpu_ns[d], sys.executable, "-m", "dosa", "ctl", "serve",
+        argv = [*_in_ns(self.dpu_ns[d]), sys.executable, "-m", "dosa", "ctl", "serve",
                 "--instance", pin, "--iface", "eth0", "--addr", a, "--listen", f"{a}:{CONTROL_PORT}",
                 "--port", str(PORT), "--mode", mode]
         log = open(self.tmp / f"ctl{d}.log", "a")
@@ -112,7 +130,7 @@ class Lab:
         its own; in userspace mode only the one the hosts join through knows the job)."""
         a = self.dpu_addr[d]
         c = self.dpu_addr[d if control_dpu is None else control_dpu]
-        argv = ["ip", "netns", "exec", self.dpu_ns[d], sys.executable, "-m", "dosa", "dpu", "run",
+        argv = [*_in_ns(self.dpu_ns[d]), sys.executable, "-m", "dosa", "dpu", "run",
                 "--mode", mode, "--instance", self.pin_dirs[d], "--addr", a, "--port", str(PORT),
                 "--control", f"{c}:{CONTROL_PORT}", "-v"]
         log = open(self.tmp / f"dpu{d}.log", "a")
@@ -123,11 +141,12 @@ class Lab:
         return p
 
     def control_args(self, job_id=5, numel=200_000, partition_size=16384, mode="sum", density=0.01,
-                     scale_exp=10) -> list[str]:
-        """Host arguments to join through DPU 0's control plane with this job shape."""
+                     scale_exp=10, dpus=None) -> list[str]:
+        """Host arguments to join through DPU 0's control plane with this job shape (``dpus``: how
+        many of the lab's DPUs the job uses, default all)."""
         return ["--control", f"{self.dpu_addr[0]}:{CONTROL_PORT}", "--job-id", str(job_id),
                 "--shape", json.dumps({"numel": numel, "workers": len(self.host_ns),
-                                       "dpus": self.dpu_addr, "partition_size": partition_size,
+                                       "dpus": self.dpu_addr[:dpus], "partition_size": partition_size,
                                        "mode": mode, "density": density, "scale_exp": scale_exp})]
 
     def _wait_bound(self, ns: str, port: int, p: subprocess.Popen, timeout: float = 20.0,
@@ -150,8 +169,11 @@ class Lab:
         for w, ns in enumerate(self.host_ns):
             more = list(per_host(w)) if per_host else []
             cfg = ["--job-config", job_file] if job_file else []
-            argv = ["ip", "netns", "exec", ns, sys.executable, str(HOST_MAIN), *cfg,
-                    "--worker-id", str(w), "--out", str(self.tmp / f"host{w}.json"), *extra, *more]
+            out = self.tmp / f"host{w}.json"
+            if out.exists():
+                out.unlink()
+            argv = [*_in_ns(ns), sys.executable, str(HOST_MAIN), *cfg,
+                    "--worker-id", str(w), "--out", str(out), *extra, *more]
             log = open(self.tmp / f"host{w}.log", "w")
             p = subprocess.Popen(argv, cwd=ROOT, env=self._env(), stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
