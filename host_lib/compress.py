@@ -198,8 +198,10 @@ def select_topk(a, density: float, method: str = "fast", *, rng=None, residual_o
     if method == "fast" and len(a) >= FAST_MIN_NUMEL:
         return topk_fast(a, k, rng=rng, residual_out=residual_out, stats=stats)
     if residual_out is not None:
-        check_finite(a, "gradient")
-        np.add(residual_out, a, out=residual_out)
+        with np.errstate(over="ignore"):  # checked before it is stored: r + g may overflow to Inf
+            total = residual_out + a
+        check_finite(total, "gradient + residual")
+        residual_out[...] = total
         a = residual_out
     idx = topk_exact(a, k)
     return idx, a[idx]

@@ -196,3 +196,14 @@ def test_bench_host_cli_small_run_writes_json(tmp_path, capsys):
         assert key in r
     assert r["k"] == 3000 and r["targets"]["fast_selected_within_20pct_of_k"]
     assert "ratio exact/fast" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("method", ["exact", "fast"])
+def test_residual_overflow_to_inf_is_rejected_and_residual_stays_finite(method):
+    enc = RoundEncoder(100_000, 0.0, 2, method=method)
+    big = np.zeros(100_000, np.float32)
+    big[7] = 3e38
+    enc.encode(big, 0)  # density 0: all of it stays in the residual
+    with pytest.raises(ValueError, match="index 7"):
+        enc.encode(big, 0)  # 3e38 + 3e38 overflows float32
+    assert np.isfinite(enc.residual).all() and enc.residual[7] == np.float32(3e38)
