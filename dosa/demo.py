@@ -185,6 +185,9 @@ class LoopbackCluster:
         return run_local_ranks(argv, [self.rank_env(r, master_port) for r in range(self.hosts)],
                                self.workdir, timeout, self.echo, env)
 
+    def dpu_stats(self) -> dict:
+        return {}  # userspace workers keep their counters to themselves (printed with -v)
+
     def close(self) -> None:
         stop_processes(self.workers)
         self.workers = []
@@ -280,6 +283,23 @@ class TestbedCluster:
         result = self.tb.run(argv, timeout=timeout, env=env, log_dir=self.workdir / "ranks", echo=echo)
         if not result.ok:
             raise DosaError(f"training on the testbed failed: {result.summary()}")
+
+    def dpu_stats(self) -> dict:
+        """Each DPU's dataplane counters (the control plane's GET /v1/stats, asked from inside the
+        DPU's namespace): evidence of what XDP merged and dropped. Best effort: {} on failure."""
+        st = self.tb.load_state() or {}
+        out = {}
+        for node in self.tb.layout(st).dpu_nodes if st else []:
+            code = ("import json; from control.api import request; "
+                    f"print(json.dumps(request(('{node.address}', {int(st['control_port'])}), "
+                    "'GET', '/v1/stats')))")
+            try:
+                r = self.tb.exec_in(node.name, [sys.executable, "-c", code], timeout=20,
+                                    env={"PYTHONPATH": str(REPO_ROOT)})
+                out[node.name] = json.loads(r.stdout) if r.returncode == 0 else {"error": r.stderr[-300:]}
+            except (subprocess.TimeoutExpired, ValueError, OSError) as e:
+                out[node.name] = {"error": str(e)}
+        return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -386,6 +406,8 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     with cluster:
         echo("training: dosa run first, then dense Gloo (same seed, data, initial weights)")
         cluster.run(cfg.train_argv(json_tmpl), timeout=cfg.timeout)
+        dpu_stats = cluster.dpu_stats()
+        echo("tearing down")
     echo("torn down")
     runs = summarize([Path(json_tmpl.replace("{rank}", str(r))) for r in range(cfg.hosts)])
     dosa, dense = runs["dosa"], runs["dense"]
@@ -396,7 +418,7 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
         "accuracy_gap_points": gap, "target_points": TARGET_POINTS, "within_target": gap <= TARGET_POINTS,
         "bytes_ratio_dense_over_dosa": (dense["bytes_per_step"] / dosa["bytes_per_step"]
                                         if dosa["bytes_per_step"] else math.inf),
-        "runs": runs,
+        "runs": runs, "dpu_stats": dpu_stats,
     }
     (out / "demo.json").write_text(json.dumps(summary, indent=1))
     plotted = plot_losses(runs, out / "loss.png",
@@ -416,6 +438,13 @@ def format_report(s: dict) -> str:
     rows.append(f"accuracy gap: {s['accuracy_gap_points']:+.2f} points (dense - dosa), {verdict} the "
                 f"{s['target_points']:g}-point target; dense moves "
                 f"{s['bytes_ratio_dense_over_dosa']:.1f}x the bytes of dosa per step")
+    for name, st in (s.get("dpu_stats") or {}).items():
+        if "outcomes" in st:
+            busy = {k: v for k, v in st["outcomes"].items() if v}
+            rows.append(f"DPU {name} dataplane ({len(st.get('attachments') or [])} XDP attachment(s)): "
+                        f"{busy}; drops {st.get('drops_total', 0)}")
+        elif st:
+            rows.append(f"DPU {name}: counters unavailable ({str(st.get('error', st))[:120]})")
     d = s["runs"]["dosa"]
     rows.append(f"bytes: dosa = {d['bytes_method']}; dense = {s['runs']['dense']['bytes_method']}")
     return "\n".join(rows)
