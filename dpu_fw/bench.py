@@ -1,0 +1,204 @@
+"""``dosa bench allreduce``: time dosa's allreduce through the DPU, XDP path and userspace path.
+
+For each path a fresh testbed (testbed.Testbed: H host namespaces, M DPU namespaces, a bridge) is
+brought up with that mode (its DPUs run ``dosa ctl serve`` and ``dosa dpu run``), every host runs
+this module's host side (``python -m dpu_fw.bench --host ...``), which joins through the control
+plane, runs warm-up then timed rounds of ``allreduce_sparse`` on random sparse gradients (numel x
+density entries a host, quantized), checks the first round against numpy on rank 0, and writes
+its per-round times and byte counters. A round's time is the slowest host's; the report gives the
+median over the timed rounds.
+
+JSON layout (``--json``)::
+
+    {"config": {...}, "methods": {"dosa_xdp": {...}, "dosa_userspace": {...}}}
+
+so the benchmark issue can add baselines as further entries of "methods".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from dosa.errors import DosaError
+
+
+def _inputs(numel: int, density: float, workers: int, seed: int, rnd: int, w: int):
+    from host_lib.quantize import clip_bound
+
+    rng = np.random.default_rng([seed, rnd, w])
+    k = max(1, int(numel * density))
+    idx = np.unique(rng.integers(0, numel, int(k * 1.02) + 8))[:k].astype(np.uint32)
+    lim = clip_bound(workers)
+    q = rng.integers(-lim, lim + 1, len(idx)).astype(np.int32)
+    return idx, q
+
+
+def host_main(argv=None) -> int:
+    """One rank: join, run rounds, write ``<out>/rank<RANK>.json``."""
+    ap = argparse.ArgumentParser(prog="python -m dpu_fw.bench --host")
+    ap.add_argument("--host", action="store_true")
+    ap.add_argument("--numel", type=int, required=True)
+    ap.add_argument("--density", type=float, required=True)
+    ap.add_argument("--rounds", type=int, required=True)
+    ap.add_argument("--warmup", type=int, required=True)
+    ap.add_argument("--mode", default="sum")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--retx-interval", type=float, default=0.25)
+    a = ap.parse_args(argv)
+    from host_lib.client import AggregationClient
+
+    rank = int(os.environ.get("RANK", "0"))
+    workers = int(os.environ.get("WORLD_SIZE", "1"))
+    rec = {"rank": rank, "round_s": [], "sent": [], "received": [], "verified": None}
+    try:
+        with AggregationClient.from_env(a.numel, timeout=a.timeout, retx_interval=a.retx_interval,
+                                        join={"mode": a.mode, "density": a.density,
+                                              "scale_exp": 0, "wait": 120}) as c:
+            data = [_inputs(a.numel, a.density, workers, a.seed, r, rank) for r in range(2)]
+            for r in range(a.warmup + a.rounds):
+                idx, q = data[r % 2]
+                s0, r0 = c.ep.sent_bytes, c.ep.recv_bytes
+                t0 = time.perf_counter()
+                ridx, sums = c.allreduce_sparse(idx, q, 0)
+                dt = time.perf_counter() - t0
+                if r == 0 and rank == 0 and a.mode == "sum":
+                    total = np.zeros(a.numel, np.int64)
+                    for w in range(workers):
+                        i, v = _inputs(a.numel, a.density, workers, a.seed, 0, w)
+                        np.add.at(total, i.astype(np.int64), v.astype(np.int64))
+                    nz = np.flatnonzero(total)
+                    rec["verified"] = bool(np.array_equal(ridx.astype(np.int64), nz)
+                                           and np.array_equal(sums.astype(np.int64), total[nz]))
+                if r >= a.warmup:
+                    rec["round_s"].append(dt)
+                    rec["sent"].append(c.ep.sent_bytes - s0)
+                    rec["received"].append(c.ep.recv_bytes - r0)
+            rec["entries_sent"] = int(len(data[0][0]))
+            rec["result_entries"] = int(len(ridx))
+            rec["retransmissions"] = c.retransmissions
+    except DosaError as e:
+        rec["error"] = str(e)
+    with open(Path(a.out) / f"rank{rank}.json", "w") as f:
+        json.dump(rec, f)
+    return 0 if "error" not in rec else 1
+
+
+def _services(pool_slots: int):
+    """testbed.services.dpu_services with a dataplane pool large enough for the job (the default
+    32 MiB holds 4M slots; a 25M-entry job needs 2 x numel / dpus)."""
+    from testbed.services import ServiceSpec, dpu_services
+
+    def fn(ctx):
+        out = []
+        for spec in dpu_services(ctx):
+            if spec.name == "ctl" and ctx.mode == "xdp":
+                spec = ServiceSpec(spec.name, [*spec.argv, "--pool-slots", str(pool_slots)],
+                                   spec.ready, spec.env)
+            out.append(spec)
+        return out
+
+    return fn
+
+
+def _run_path(path: str, args, out_dir: Path) -> dict:
+    from dosa.wire import DEFAULT_PARTITION_SIZE, PartitionMap
+    from testbed.core import Testbed
+
+    pm = PartitionMap(args.numel, DEFAULT_PARTITION_SIZE, args.dpus)
+    slots = max(1 << 22, 2 * len(pm.owned_by(0)) * DEFAULT_PARTITION_SIZE)
+    prefix = f"db{uuid.uuid4().hex[:5]}"
+    tb = Testbed(prefix=prefix, subnet="10.231.99.0/24", services=_services(slots),
+                 state_dir=tempfile.mkdtemp(prefix="dosa-bench-state-"))
+    res_dir = out_dir / path
+    res_dir.mkdir(parents=True, exist_ok=True)
+    t_up = time.monotonic()
+    tb.up(args.hosts, args.dpus, mode=path)
+    try:
+        up_s = time.monotonic() - t_up
+        argv = [sys.executable, "-m", "dpu_fw.bench", "--host", "--numel", str(args.numel),
+                "--density", str(args.density), "--rounds", str(args.rounds), "--warmup",
+                str(args.warmup), "--mode", args.mode, "--out", str(res_dir)]
+        run = tb.run(argv, timeout=args.timeout, echo=False, log_dir=res_dir / "logs")
+        if run.timed_out:
+            raise DosaError(f"{path} path: hosts did not finish in {args.timeout} s "
+                            f"(logs in {res_dir / 'logs'})")
+    finally:
+        tb.down()
+    ranks = []
+    for w in range(args.hosts):
+        f = res_dir / f"rank{w}.json"
+        if not f.exists():
+            raise DosaError(f"{path} path: host {w} wrote no result (logs in {res_dir / 'logs'})")
+        ranks.append(json.loads(f.read_text()))
+    errors = [r["error"] for r in ranks if "error" in r]
+    if errors:
+        raise DosaError(f"{path} path failed: {errors[0]}")
+    per_round = np.max(np.array([r["round_s"] for r in ranks]), axis=0)
+    return {
+        "median_round_s": float(statistics.median(per_round)),
+        "round_s": [float(x) for x in per_round],
+        "bytes_sent_per_host": [int(statistics.median(r["sent"])) for r in ranks],
+        "bytes_received_per_host": [int(statistics.median(r["received"])) for r in ranks],
+        "entries_sent_per_host": ranks[0]["entries_sent"],
+        "result_entries": ranks[0]["result_entries"],
+        "retransmissions": [r["retransmissions"] for r in ranks],
+        "verified_round0": ranks[0]["verified"],
+        "testbed_up_s": up_s,
+    }
+
+
+def run_bench(args) -> int:
+    if os.geteuid() != 0:
+        from dosa.errors import NeedsRoot
+
+        raise NeedsRoot("dosa bench allreduce")
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    for p in paths:
+        if p not in ("xdp", "userspace"):
+            raise DosaError(f"unknown path {p!r}: use xdp and/or userspace")
+    if args.hosts < 1 or args.dpus < 1 or args.rounds < 1 or args.warmup < 0:
+        raise DosaError("--hosts, --dpus and --rounds must be at least 1, --warmup at least 0")
+    if args.mode == "gtopk" and args.dpus > 1:
+        print("note: gtopk with several DPUs takes the density of DPUs > 0 from --gtopk-density "
+              "of their workers (docs/dpu_worker.md)", file=sys.stderr)
+    args.timeout = getattr(args, "timeout", None) or 900
+    out_dir = Path(tempfile.mkdtemp(prefix="dosa-bench-allreduce-"))
+    report = {"config": {"hosts": args.hosts, "dpus": args.dpus, "numel": args.numel,
+                         "density": args.density, "rounds": args.rounds, "warmup": args.warmup,
+                         "mode": args.mode},
+              "methods": {}}
+    for p in paths:
+        m = _run_path(p, args, out_dir)
+        report["methods"][f"dosa_{p}"] = m
+        mb = 1e6
+        print(f"dosa_{p:<10} median round {m['median_round_s'] * 1e3:8.1f} ms   per host: sent "
+              f"{statistics.median(m['bytes_sent_per_host']) / mb:7.2f} MB, received "
+              f"{statistics.median(m['bytes_received_per_host']) / mb:7.2f} MB   "
+              f"verified={m['verified_round0']}")
+    if "dosa_xdp" in report["methods"] and "dosa_userspace" in report["methods"]:
+        ratio = report["methods"]["dosa_userspace"]["median_round_s"] / \
+            report["methods"]["dosa_xdp"]["median_round_s"]
+        report["userspace_over_xdp"] = ratio
+        print(f"userspace / xdp round time: {ratio:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    if "--host" in sys.argv[1:]:
+        sys.exit(host_main(sys.argv[1:]))
+    print("usage: dosa bench allreduce ...", file=sys.stderr)
+    sys.exit(2)
