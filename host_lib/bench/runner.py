@@ -206,6 +206,51 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
     return doc
 
 
+def dpu_fw_methods(args):
+    """An ``extra_methods`` callback running dosa's paths with dpu_fw.bench (engineer D's runner),
+    its records converted to this schema. Each path gets its own testbed (dpu_fw.bench brings it
+    up in the path's mode); ``args.paths`` / ``args.mode`` are dpu_fw's options.
+
+    Known gap: dpu_fw.bench draws its own (uncorrelated) sparse inputs instead of reading the work
+    folder, and its testbed is not shaped by ``--link-rate``: both are said in the record's notes.
+    """
+    import copy
+    import statistics
+
+    from dpu_fw import bench as dosa_bench
+
+    def run(world: int, workdir, testbed) -> dict:
+        a = copy.copy(args)
+        a.hosts = world
+        a.paths = getattr(args, "paths", "xdp,userspace")
+        a.mode = getattr(args, "mode", "sum")
+        a.timeout = getattr(args, "timeout", None) or 900
+        out_dir = Path(workdir) / "dosa"
+        out = {}
+        for p in [x.strip() for x in str(a.paths).split(",") if x.strip()]:
+            print(f"  dosa_{p}: {world} hosts, own testbed in {p} mode...", file=sys.stderr, flush=True)
+            m = dosa_bench._run_path(p, a, out_dir)
+            rs = m["round_s"]
+            st = {"median_s": m["median_round_s"], "min_s": min(rs), "max_s": max(rs), "rounds_s": rs}
+            name = f"dosa_{p}" + ("_gtopk" if a.mode == "gtopk" else "")
+            out[name] = {
+                **m, "transport": st, "median_s": st["median_s"],
+                "bytes_per_host": {"sent": int(statistics.median(m["bytes_sent_per_host"])),
+                                   "received": int(statistics.median(m["bytes_received_per_host"])),
+                                   "model": "counted by the host's socket (UDP payload)"},
+                "check": {"ok": bool(m["verified_round0"]), "tolerance": "exact (fixed point)",
+                          "max_err_over_tol": 0.0 if m["verified_round0"] else float("inf")},
+                "notes": "dpu_fw.bench inputs (uniform random indices, not the work folder's); "
+                         "its testbed is not shaped by --link-rate",
+            }
+            import shutil
+
+            shutil.rmtree(out_dir, ignore_errors=True)
+        return out
+
+    return run
+
+
 def main(argv=None) -> int:
     """``python -m host_lib.bench``: the baselines and the limit alone, table on stdout."""
     ap = argparse.ArgumentParser(prog="python -m host_lib.bench",
