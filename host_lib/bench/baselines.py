@@ -91,9 +91,9 @@ def load_meta(d) -> dict:
 
 
 def _rm_workdir(d: Path) -> None:
-    for p in d.glob("*"):
-        p.unlink(missing_ok=True)
-    d.rmdir()
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------------
