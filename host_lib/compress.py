@@ -8,9 +8,9 @@ Selection (``select_topk``):
 
 * ``"exact"``: ``np.argpartition`` of ``|a|``: the reference, O(n) but with several 25M-entry
   temporaries; ~0.3-1 s for 25M float32 on this machine.
-* ``"fast"``: estimate the threshold ``t`` as the (1 - density) quantile of ``|a|`` over a uniform
-  random sample (``sample_size(k)`` entries; the number of sampled entries above ``t`` is
-  ``~1000``, so the selected count has a relative standard deviation of ~3%), then ONE pass of the
+* ``"fast"``: estimate the threshold ``t`` as the (1 - density) quantile of ``|a|`` over a random
+  sample (``sample_size(k)`` entries in aligned runs of 8 at uniform random places; ~1000 sampled
+  entries lie above ``t``, so the selected count has a relative spread of a few %), then ONE pass of the
   Cython kernel ``host_lib._select`` collects every ``|a[i]| >= t``. The result is guarded: above
   ``1 + tolerance`` times k it is trimmed to exactly k by an exact top-k among the candidates (cheap:
   they are few); below ``1 - tolerance`` a second pass runs with a lower threshold and is trimmed.
@@ -33,6 +33,8 @@ from host_lib.quantize import check_finite
 METHODS = ("exact", "fast")
 #: Below this many entries the fast method just runs the exact one (sampling would not pay off).
 FAST_MIN_NUMEL = 1 << 16
+#: The fast method samples runs of this many contiguous entries.
+SAMPLE_RUN = 8
 
 
 def target_k(numel: int, density: float) -> int:
@@ -121,8 +123,15 @@ def topk_fast(a: np.ndarray, k: int, *, rng: np.random.Generator | None = None, 
         return idx, val
 
     m = sample_size(n, k)
-    pos = rng.integers(0, n, m)
-    sample = a[pos] if residual_out is None else a[pos] + residual_out[pos]
+    # Aligned runs of SAMPLE_RUN (8) contiguous entries at random places: a row gather of a 2-D view,
+    # one cache line per run instead of one per entry (~1.2 ms instead of ~2.4 ms for 100K of 25M).
+    # Runs this short keep the count's spread close to an i.i.d. sample (measured +-6% at k/n=0.001).
+    usable = n - n % SAMPLE_RUN
+    rows = rng.integers(0, usable // SAMPLE_RUN, max(1, m // SAMPLE_RUN))
+    sample = a[:usable].reshape(-1, SAMPLE_RUN)[rows]
+    if residual_out is not None:
+        sample += residual_out[:usable].reshape(-1, SAMPLE_RUN)[rows]
+    sample = sample.reshape(-1)
     sample = np.abs(sample)
     if not np.isfinite(sample).all():
         sample = np.where(np.isfinite(sample), sample, 0)  # the pass below reports them properly
