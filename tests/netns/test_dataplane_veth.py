@@ -5,6 +5,7 @@ the DPU's UDP socket, and detach + teardown leave no program, pin or namespace b
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import time
@@ -146,3 +147,27 @@ def test_real_traffic_merges_exactly_and_teardown_leaves_nothing():
         assert not loader.is_loaded(inst)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert h not in listed and d not in listed
+
+
+def test_bench_dataplane_small_run_is_exact_and_cleans_up():
+    """`dosa bench dataplane` at a tiny size: every sum exact, every packet merged (the qdisc gives
+    backpressure instead of drops), nothing left behind. No timing is asserted."""
+    from dataplane import bench
+
+    def namespaces():
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+    def bench_pins():
+        root = "/sys/fs/bpf/dosa"
+        return [d for d in os.listdir(root) if d.startswith("bench-")] if os.path.isdir(root) else []
+
+    before = namespaces()
+    res = bench.run(workers=3, numel=200_000, density=0.05, rounds=3, senders=2, link_baseline=False,
+                    log=lambda *a: None)
+    x = res["xdp"]
+    assert x["corrupt_partition_sums"] == 0 and res["userspace"]["numpy_add_at"]["exact"]
+    assert x["packets_offered"] == 3 * res["config"]["packets_per_round"]
+    assert x["merged_first_pass_fraction"] + x["packets_resent"] / x["packets_offered"] >= 1.0
+    assert not {n for n in namespaces() - before if n.startswith(("dbh", "dbd"))}
+    assert bench_pins() == []
