@@ -81,7 +81,14 @@ class DemoConfig:
                 "--density", repr(float(self.density)), "--epochs", str(self.epochs),
                 "--batch-size", str(self.batch_size), "--warmup-steps", str(self.warmup_steps),
                 "--hidden", str(self.hidden), "--seed", str(self.seed), "--json", json_path,
+                *(["--partition-size", str(self.partition_size)] if self.dpus > 1 else []),
                 *self.extra_train_args]
+
+    @property
+    def partition_size(self) -> int:
+        """One partition per DPU: the model is small, so the default 64k partition would leave
+        every DPU but the first idle."""
+        return math.ceil(self.numel / self.dpus)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -124,14 +131,16 @@ class LoopbackCluster:
     (after stopping the others) otherwise."""
 
     def __init__(self, hosts: int, dpus: int, numel: int, workdir: str | os.PathLike,
-                 density: float = 0.01, job_id: int = 1, echo: Callable[[str], None] | None = print):
+                 density: float = 0.01, job_id: int = 1, echo: Callable[[str], None] | None = print,
+                 partition_size: int | None = None):
         from host_lib.transport import JobConfig
 
         self.hosts, self.dpus = hosts, dpus
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.echo = echo
-        self.job = JobConfig(job_id=job_id, numel=numel, density=density,
+        extra = {"partition_size": partition_size} if partition_size else {}
+        self.job = JobConfig(job_id=job_id, numel=numel, density=density, **extra,
                              hosts=[("127.0.0.1", free_port()) for _ in range(hosts)],
                              dpus=[("127.0.0.1", free_port()) for _ in range(dpus)])
         self.job_path = self.workdir / "job.json"
@@ -401,7 +410,8 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     if backend == "testbed":
         cluster = TestbedCluster(cfg.hosts, cfg.dpus, workdir, echo, prefix=cfg.testbed_prefix)
     else:
-        cluster = LoopbackCluster(cfg.hosts, cfg.dpus, cfg.numel, workdir, cfg.density, echo=echo)
+        cluster = LoopbackCluster(cfg.hosts, cfg.dpus, cfg.numel, workdir, cfg.density, echo=echo,
+                                  partition_size=cfg.partition_size)
     echo("bringing up " + ("the testbed" if backend == "testbed" else "userspace DPU worker(s) on loopback"))
     with cluster:
         echo("training: dosa run first, then dense Gloo (same seed, data, initial weights)")

@@ -76,13 +76,25 @@ class DosaHookStats:
         return d
 
 
-def _default_client_factory(numel: int):
-    """Join the job the environment names (DOSA_CONTROL_ADDR / DOSA_CONTROL_PORT / DOSA_JOB_ID,
-    set by ``dosa testbed run``) with host_lib's AggregationClient."""
+def _default_client_factory(numel: int, job_options: dict | None = None):
+    """Join the job the environment names with host_lib's AggregationClient: an explicit
+    DOSA_JOB_CONFIG file, or the control plane at DOSA_CONTROL_ADDR:DOSA_CONTROL_PORT (set by
+    ``dosa testbed run``). ``job_options`` (e.g. ``partition_size``, ``mode``) shape the job when this
+    rank is the one whose join creates it."""
     from dosa.errors import DosaError
     from host_lib.client import AggregationClient  # imported late: dosa may be absent
 
-    client = AggregationClient.from_env(numel=numel)
+    env = os.environ
+    if job_options and not env.get("DOSA_JOB_CONFIG") and env.get("DOSA_CONTROL_ADDR") \
+            and env.get("DOSA_CONTROL_PORT"):
+        from control.api import join
+
+        rank = int(env.get("RANK", "0"))
+        job = join((env["DOSA_CONTROL_ADDR"], int(env["DOSA_CONTROL_PORT"])), worker_id=rank,
+                   numel=numel, **job_options)
+        client = AggregationClient(job, worker_id=rank)
+    else:
+        client = AggregationClient.from_env(numel=numel)
     job_numel = getattr(getattr(client, "job", None), "numel", numel)
     if job_numel != numel:
         client.close()
@@ -115,6 +127,9 @@ class DosaHookState:
             ``residual + u`` instead of ``residual + g``: the optimizer must then run WITHOUT
             momentum (it would apply it twice). Sparsifying the velocity, not the gradient, keeps
             momentum from acting on stale residuals, which is what slows plain error feedback.
+        job_options: with the default client factory and a control plane, extra job shape for the
+            join that creates the job (``partition_size``: spread a small model over several DPUs;
+            ``mode``: ``sum`` or ``gtopk``).
         momentum_masking: with momentum, zero the velocity of the entries just sent (DGC's
             "momentum factor masking": those entries' past must not push them again).
 
@@ -130,7 +145,7 @@ class DosaHookState:
     def __init__(self, client=None, client_factory: Callable[[int], Any] | None = None,
                  density: float = 0.01, dense_warmup_steps: int = 0, process_group=None,
                  scale_exp: int | None = None, headroom: float = 2.0, fallback: bool = True,
-                 momentum: float = 0.0, momentum_masking: bool = True):
+                 momentum: float = 0.0, momentum_masking: bool = True, job_options: dict | None = None):
         if client is not None and client_factory is not None:
             raise ValueError("give either client or client_factory, not both")
         if client_factory is not None and not callable(client_factory):
@@ -165,7 +180,12 @@ class DosaHookState:
         self.initial_scale_exp = scale_exp
         # internal state
         self._client = client
-        self._client_factory = client_factory or (None if client is not None else _default_client_factory)
+        if job_options is not None and not isinstance(job_options, dict):
+            raise ValueError(f"job_options must be a dict, got {type(job_options).__name__}")
+        if client_factory is None and client is None:
+            opts = dict(job_options or {})
+            client_factory = lambda numel: _default_client_factory(numel, opts)  # noqa: E731
+        self._client_factory = client_factory
         self._client_ready = False  # creation + cross-rank agreement done
         self._use_fallback = False
         self._residuals: dict[int, np.ndarray] = {}  # bucket index -> float32 residual

@@ -87,6 +87,8 @@ def parse_args(argv=None):
                    help="dosa: apply --momentum in the hook (DGC momentum correction), not in SGD")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--partition-size", type=int, default=None,
+                   help="dosa job partition size (control plane jobs; smaller spreads over more DPUs)")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="DDP bucket size (default DDP's 25 MB: this model fits one bucket)")
     p.add_argument("--json", metavar="PATH", help="write the summary here ({rank} -> rank)")
@@ -129,7 +131,9 @@ def train_one(comm: str, args, rank: int, world: int, data, progress: bool) -> d
     if comm == "dosa":
         from host_lib.torch_hook import DosaHookState, dosa_hook
         state = DosaHookState(density=args.density, dense_warmup_steps=args.warmup_steps,
-                              momentum=args.momentum if args.hook_momentum else 0.0)
+                              momentum=args.momentum if args.hook_momentum else 0.0,
+                              job_options={"partition_size": args.partition_size}
+                              if args.partition_size else None)
         model.register_comm_hook(state, dosa_hook)
     hook_has_momentum = state is not None and state.momentum > 0
     opt = torch.optim.SGD(model.parameters(), lr=args.lr,
