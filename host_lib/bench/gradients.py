@@ -238,6 +238,19 @@ def load_gradients(path) -> list[np.ndarray]:
     return _validate([t.detach().float().numpy() for t in obj], path)
 
 
+def hidden_for_numel(numel: int) -> tuple[int, int]:
+    """Width h of a 64-h-h-10 MLP whose parameter count (h^2 + 76h + 10) is closest to ``numel``."""
+    if numel < 1000:
+        raise ValueError(f"a real model needs at least 1000 parameters, not {numel}")
+    h = int(round((-76 + np.sqrt(76 * 76 - 4 * (10 - numel))) / 2))
+    return (max(1, h), max(1, h))
+
+
+def mlp_numel(hidden: tuple[int, ...]) -> int:
+    dims = [64, *hidden, 10]
+    return sum(a * b + b for a, b in zip(dims[:-1], dims[1:]))
+
+
 def real_model_gradients(world: int = 4, steps: int = 5, seed: int = 0, hidden: tuple[int, ...] = (256, 128),
                          batch: int = 64, lr: float = 0.1) -> list[np.ndarray]:
     """Per-host flat gradients of a small MLP on sklearn's digits after ``steps`` data-parallel SGD steps.

@@ -59,6 +59,9 @@ OPTIONS = [
     (("--seed",), dict(type=int, default=0, help="gradient seed (default 0)")),
     (("--gradients",), dict(default=None, metavar="FILE", help="per-host gradients saved from a model "
                                                                "(.npz or torch.save list) instead of synthetic ones")),
+    (("--real-model",), dict(type=int, default=0, metavar="STEPS",
+                             help="gradients of a real MLP on sklearn digits after STEPS data-parallel "
+                                  "steps, its size chosen close to --numel (default 0: synthetic)")),
     (("--baselines",), dict(type=_methods, default=list(B.METHODS) + ["limit"],
                             help="baseline methods to run (default gloo_dense,gloo_sparse_allgather,limit)")),
     (("--testbed",), dict(action="store_true", help="run the baselines in the host namespaces of a "
@@ -104,6 +107,8 @@ def _check_args(args) -> None:
 
 
 def _gradients_for(args, world: int, loaded) -> list[np.ndarray]:
+    if args.real_model:
+        return G.real_model_gradients(world, args.real_model, args.seed, G.hidden_for_numel(args.numel))
     if loaded is not None:
         if len(loaded) < world:
             raise DosaError(f"{args.gradients} holds gradients of {len(loaded)} hosts; {world} needed")
@@ -135,6 +140,11 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
             raise DosaError(str(e)) from None
         args.numel = len(loaded[0])
         say(f"gradients from {args.gradients}: {len(loaded)} hosts x {args.numel} entries")
+    if args.real_model:
+        if args.gradients:
+            raise DosaError("give --gradients or --real-model, not both")
+        args.numel = G.mlp_numel(G.hidden_for_numel(args.numel))
+        say(f"gradients of a real MLP (digits, {args.real_model} steps): {args.numel} entries")
     machine = {"cpus": len(os.sched_getaffinity(0)), "load_avg": list(os.getloadavg()), "packet_rate": []}
     if "limit" in args.baselines and args.packet_rate_seconds > 0 and os.geteuid() != 0:
         say("not root: the packet rate is not measured (limit counts the link only)")
@@ -190,8 +200,9 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
         runs.append({"hosts": world, "overlap": ov, "k": meta["k"], "methods": methods,
                      "elapsed_s": time.monotonic() - t0})
     config = {"hosts": args.hosts, "dpus": args.dpus, "numel": args.numel, "density": args.density,
-              "correlation": None if loaded is not None else args.correlation,
-              "gradients": args.gradients or "synthetic", "link_rate": args.link_rate,
+              "correlation": None if loaded is not None or args.real_model else args.correlation,
+              "gradients": args.gradients or (f"real MLP on digits, {args.real_model} steps"
+                                              if args.real_model else "synthetic"), "link_rate": args.link_rate,
               "rounds": args.rounds, "warmup": args.warmup, "seed": args.seed,
               "where": f"testbed {args.testbed_prefix}" if args.testbed else "loopback",
               "command": " ".join(shlex.quote(a) for a in sys.argv)}

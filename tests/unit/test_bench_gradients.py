@@ -183,3 +183,11 @@ def test_report_validate_rejects_broken_docs():
         R.validate(doc)
     with pytest.raises(ValueError, match="schema"):
         R.validate({"schema": "x"})
+
+
+def test_real_model_size_follows_numel():
+    for n in (5_000, 1_000_000, 25_000_000):
+        got = G.mlp_numel(G.hidden_for_numel(n))
+        assert abs(got - n) / n < 0.02, (n, got)
+    with pytest.raises(ValueError):
+        G.hidden_for_numel(10)
