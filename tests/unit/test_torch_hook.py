@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
     ({"momentum": 1.0}, "momentum"),
     ({"momentum": -0.1}, "momentum"),
     ({"client_factory": 42}, "client_factory"),
+    ({"job_options": [("partition_size", 10)]}, "job_options"),
     ({"client": object()}, "allreduce_sparse"),
     ({"client": object(), "client_factory": lambda n: None}, "not both"),
 ])
