@@ -4,12 +4,14 @@
 * ``gloo_sparse_allgather``: the DGC / Horovod way to reduce sparse gradients: allgather every host's
   entry count, then the (index, value) pairs padded to the largest count (one int32 tensor of
   ``2 * kmax``: indices then value bits, 8 bytes per entry as on dosa's wire), and every host sums all
-  hosts' entries into a dense float32 result (``out[idx] += vals``; a host's indices are unique).
+  hosts' entries into a dense float32 result (``out[idx] += vals``; a host's indices are unique),
+  reused across rounds: only the entries the previous round wrote are cleared.
 
 Each method is timed two ways: ``transport`` (the sparse selection is given, as with dosa's
 ``--sparse-input``; for dense there is nothing to select) and ``end_to_end`` (dense gradient in,
 top-k selection with :func:`selector` (host_lib's fast one when present) included, dense sum out).
-A round starts after a barrier; its time is the slowest rank's. Rounds after ``warmup`` untimed ones are reported as median/min/max.
+A round starts after a barrier; its time is the slowest rank's. Rounds after ``warmup`` untimed
+ones are reported as median/min/max.
 
 Processes: one per host, launched with torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT) either through ``testbed.Testbed.run`` (each rank in its host namespace, pinned to the
@@ -172,6 +174,8 @@ def _worker(args) -> int:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     result = {"rank": rank, "selector": sel_name, "selector_exact": sel_exact, "methods": {}}
 
+    touched = {"rows": None}  # indices the last sparse_sum wrote (None: clear everything)
+
     def sparse_sum(idx: np.ndarray, val: np.ndarray) -> None:
         cnt = torch.tensor([len(idx)], dtype=torch.int64)
         counts = torch.zeros(world, dtype=torch.int64)
@@ -184,9 +188,17 @@ def _worker(args) -> int:
         allbuf = torch.empty(world * 2 * kmax, dtype=torch.int32)
         gather(allbuf, torch.from_numpy(buf))
         a = allbuf.numpy().reshape(world, 2 * kmax)
-        out_np[:] = 0
+        # the result buffer is reused: only what the last round wrote needs clearing (a 100 MB
+        # memset would cost more than the sum itself)
+        if touched["rows"] is None:
+            out_np[:] = 0
+        else:
+            for t in touched["rows"]:
+                out_np[t] = 0
+        rows = [a[r, :c[r]] for r in range(world)]
         for r in range(world):
-            out_np[a[r, :c[r]]] += a[r, kmax:kmax + c[r]].view(np.float32)
+            out_np[rows[r]] += a[r, kmax:kmax + c[r]].view(np.float32)
+        touched["rows"] = rows
 
     def timed(fn, before=None) -> list[float]:
         times = []
@@ -210,6 +222,7 @@ def _worker(args) -> int:
                                   np.load(d / "abs_dense.npy", mmap_mode="r"), world)
             rec["end_to_end"] = rec["transport"]  # nothing to select: the same operation
         elif m == "gloo_sparse_allgather":
+            touched["rows"] = None  # another method may have left the buffer dense
             rec["transport"] = timed(lambda: sparse_sum(idx0, val0))
             say(f"  gloo_sparse_allgather transport: median {np.median(rec['transport']):.4f} s")
             ref_s = np.load(d / "ref_sparse.npy", mmap_mode="r")
