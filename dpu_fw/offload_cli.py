@@ -38,7 +38,7 @@ def register_bench(bench_sub) -> None:
     b.add_argument("--json", default=None, help="write the results here")
     b.add_argument("--plot", default=None, help="write a PNG bar chart here (needs matplotlib)")
     b.add_argument("--dataset", default=bench.DEFAULT_DATASET)
-    b.add_argument("--epochs", type=int, default=2, help="epochs per timed run")
+    b.add_argument("--epochs", type=int, default=3, help="epochs per timed run")
     b.add_argument("--rounds", type=int, default=5, help="timed runs per mode (alternating)")
     b.add_argument("--batch-size", type=int, default=64)
     b.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP trained")

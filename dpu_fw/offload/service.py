@@ -9,7 +9,7 @@ Requests on a connection (see protocol.py for framing):
 Anything wrong -> ``error`` {message}, then the connection is closed.
 
 Prefetch and backpressure: a producer thread fills a bounded queue of ``prefetch`` batches while the
-connection thread sends (once an epoch is sent, it starts on the next one); when the host reads
+connection thread sends (once an epoch is sent, it prepares the first batches of the next one); when the host reads
 slowly, TCP's window fills, ``sendall`` blocks, the queue fills and the producer waits. At most ``prefetch`` batches (plus the socket buffers) are ever
 ahead of the host. The host names the first batch it wants (``start``), so a reconnect resumes
 exactly where it stopped.
@@ -30,6 +30,7 @@ from .protocol import ConnectionClosed, FrameError, recv_message, send_message
 
 DEFAULT_PORT = 17801
 DEFAULT_PREFETCH = 8
+SPECULATIVE_BATCHES = 2  # batches of the next epoch prepared before the host asks for it
 _DONE = object()
 
 
@@ -43,10 +44,16 @@ def _field(meta: dict, key: str, kind, default=None):
 class Producer:
     """Computes batches ``start..`` of one epoch into a bounded queue on its own thread."""
 
-    def __init__(self, pipe, key: tuple, epoch: int, start: int, prefetch: int):
+    def __init__(self, pipe, key: tuple, epoch: int, start: int, prefetch: int,
+                 speculative: bool = False):
         self.pipe, self.key, self.epoch, self.start = pipe, key, epoch, start
         self._ready: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
+        # A speculative producer (the next epoch, not asked for yet) stops after a few batches
+        # until confirm(): enough to hide the epoch boundary, little waste if never asked for.
+        self._confirmed = threading.Event()
+        if not speculative:
+            self._confirmed.set()
         self._thread = threading.Thread(target=self._run, name="augment-producer", daemon=True)
         self._thread.start()
 
@@ -62,9 +69,16 @@ class Producer:
                 continue
         return False
 
+    def confirm(self) -> None:
+        self._confirmed.set()
+
     def _run(self) -> None:
         try:
             for b in range(self.start, len(self.pipe)):
+                if b - self.start >= SPECULATIVE_BATCHES:
+                    while not self._confirmed.wait(0.2):
+                        if self._stop.is_set():
+                            return
                 if not self._put((b, self.pipe.batch(self.epoch, b))):
                     return
             self._put(_DONE)
@@ -112,8 +126,10 @@ class AugmentServer(_server.Server):
                         if producer is not None:
                             producer.close()
                         producer = Producer(self._pipeline(key), key, epoch, start, self.prefetch)
+                    producer.confirm()
                     self._stream(sock, producer)
-                    producer = Producer(producer.pipe, key, epoch + 1, 0, self.prefetch)
+                    producer = Producer(producer.pipe, key, epoch + 1, 0, self.prefetch,
+                                        speculative=True)
                 else:
                     raise FrameError(f"unknown request {msg.kind!r}")
         finally:
