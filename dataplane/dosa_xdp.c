@@ -115,56 +115,123 @@ static __always_inline void emit_completion(u32 job_id, u16 partition, u32 round
 		count(DOSA_C_COMPLETION_LOST, 1);
 }
 
-/* Merge one SPARSE_DATA packet of a valid flow. All checks that can reject the packet come
- * BEFORE the dedup bit is set: a rejected packet must not mark its seq as seen. */
-static __always_inline int merge_sparse(struct dosa_hdr *h, void *data_end, u32 job_id,
-					struct dosa_job *job)
+/* Where a data packet of a valid flow goes: its partition's state, its worker's state, its
+ * buffer. Filled by locate(). */
+struct merge_ctx {
+	struct dosa_pstate *ps;
+	struct dosa_wstate *ws;
+	u64 lo, hi;   /* the partition's index range */
+	u64 buf0;     /* pool slot of index lo in the round's buffer */
+	u32 p, round, parity, workers;
+};
+
+/* Partition, ownership, round window and state of a data packet. Returns a counter index of the
+ * rule it breaks, or -1. */
+static __always_inline int locate(struct dosa_hdr *h, struct dosa_job *job, struct merge_ctx *mc)
 {
 	u32 p = dosa_ntohs(h->partition);
 	u32 round = dosa_ntohl(h->round);
-	u32 cnt = dosa_ntohs(h->count);
-	u32 seq = dosa_ntohs(h->seq);
-	u32 total = dosa_ntohs(h->total);
 	u32 wid = dosa_ntohs(h->worker_id);
 	u32 ndpus = job->num_dpus;
-	u32 workers = job->workers;
 	u32 psize = job->partition_size;
 
 	if (p >= job->num_partitions)
-		return DROP(BAD_FIELD);
+		return DOSA_C_BAD_FIELD;
 	if (ndpus == 0 || psize == 0 || p % ndpus != job->dpu_index)
-		return DROP(NOT_OWNER);
+		return DOSA_C_NOT_OWNER;
 	u32 local = p / ndpus;
 	if (local >= job->num_owned)
-		return DROP(INTERNAL);
+		return DOSA_C_INTERNAL;
 
-	u64 lo = (u64)p * psize;
-	u64 hi = lo + psize;
-	if (hi > job->numel)
-		hi = job->numel;
+	mc->lo = (u64)p * psize;
+	mc->hi = mc->lo + psize;
+	if (mc->hi > job->numel)
+		mc->hi = job->numel;
 
 	u32 ps_idx = job->pstate_off + local;
-	struct dosa_pstate *ps = pstate.lookup(&ps_idx);
-	if (!ps)
-		return DROP(INTERNAL);
-	u32 base = *(volatile u32 *)&ps->base_round;
+	mc->ps = pstate.lookup(&ps_idx);
+	if (!mc->ps)
+		return DOSA_C_INTERNAL;
+	u32 base = *(volatile u32 *)&mc->ps->base_round;
 	if (round < base)
-		return DROP(ROUND_TOO_OLD);
+		return DOSA_C_ROUND_TOO_OLD;
 	if (round - base > 1)
-		return DROP(ROUND_TOO_NEW);
-	u32 parity = round & 1;
+		return DOSA_C_ROUND_TOO_NEW;
+	mc->parity = round & 1;
+	mc->workers = job->workers;
+	mc->p = p;
+	mc->round = round;
 
-	u32 ws_idx = job->wstate_off + (local * 2 + parity) * workers + wid;
-	struct dosa_wstate *ws = wstate.lookup(&ws_idx);
-	if (!ws)
-		return DROP(INTERNAL);
+	u32 ws_idx = job->wstate_off + (local * 2 + mc->parity) * job->workers + wid;
+	mc->ws = wstate.lookup(&ws_idx);
+	if (!mc->ws)
+		return DOSA_C_INTERNAL;
 
 	u64 stride = job->stride;
-	u64 buf0 = (u64)job->pool_off + ((u64)local * 2 + parity) * stride;
-	if (hi - lo > stride || buf0 + stride > DOSA_POOL_SLOTS)
-		return DROP(INTERNAL);
+	mc->buf0 = (u64)job->pool_off + ((u64)local * 2 + mc->parity) * stride;
+	if (mc->hi - mc->lo > stride || mc->buf0 + stride > DOSA_POOL_SLOTS)
+		return DOSA_C_INTERNAL;
+	return -1;
+}
 
-	/* Pass 1: every index inside the partition. */
+/* After every check that can reject the packet has passed: agree on the worker's total and the
+ * round's scale (the first packet sets them, by compare-and-swap), then claim the seq with an
+ * atomic test-and-set of its dedup bit. Returns -1 when this copy is the one to merge, else the
+ * verdict counter. Nothing is claimed for a packet rejected earlier, so its corrected copy merges. */
+static __always_inline int claim(struct dosa_hdr *h, struct merge_ctx *mc)
+{
+	u32 seq = dosa_ntohs(h->seq);
+	u64 total = dosa_ntohs(h->total);
+	struct dosa_wstate *ws = mc->ws;
+	struct dosa_pstate *ps = mc->ps;
+
+	u64 old_total = __sync_val_compare_and_swap(&ws->total, 0, total);
+	if (old_total != 0 && old_total != total)
+		return DOSA_C_TOTAL_MISMATCH;
+	u64 tag = (u64)((s32)h->scale_exp + DOSA_SCALE_TAG_BIAS);
+	u64 old_tag = __sync_val_compare_and_swap(&ps->scale_tag[mc->parity & 1], 0, tag);
+	if (old_tag != 0 && old_tag != tag)
+		return DOSA_C_SCALE_MISMATCH;
+
+	u64 bit = 1ULL << (seq & 63);
+	u64 old_bits = __sync_fetch_and_or(&ws->seen[(seq >> 6) & 3], bit);
+	if (old_bits & bit) {
+		if (*(volatile u64 *)&ps->workers_done[mc->parity & 1] >= mc->workers)
+			return DOSA_C_PASS_DUP_OF_COMPLETE;
+		return DOSA_C_DUPLICATE;
+	}
+	return -1;
+}
+
+/* The packet's entries are in the buffer: count it toward its worker's total, and the worker
+ * toward the round's; exactly one packet sees the last worker complete and emits the event. */
+static __always_inline int finish(struct dosa_hdr *h, u32 job_id, struct merge_ctx *mc, u32 cnt)
+{
+	count(DOSA_C_MERGED_ENTRIES, cnt);
+	u64 got = __sync_fetch_and_add(&mc->ws->received, 1) + 1;
+	if (got == dosa_ntohs(h->total)) {
+		u64 done = __sync_fetch_and_add(&mc->ps->workers_done[mc->parity & 1], 1) + 1;
+		if (done == mc->workers)
+			emit_completion(job_id, (u16)mc->p, mc->round, h->scale_exp);
+	}
+	return verdict(DOSA_C_MERGED, XDP_DROP); /* consumed: merged in place */
+}
+
+static __always_inline int rejected(int reason)
+{
+	return verdict(reason, reason == DOSA_C_PASS_DUP_OF_COMPLETE ? XDP_PASS : XDP_DROP);
+}
+
+/* SPARSE_DATA: pass 1 checks every index (bounded loop), pass 2 adds each value atomically. */
+static __always_inline int merge_sparse(struct dosa_hdr *h, void *data_end, u32 job_id,
+					struct dosa_job *job)
+{
+	struct merge_ctx mc = {};
+	u32 cnt = dosa_ntohs(h->count);
+	int bad = locate(h, job, &mc);
+
+	if (bad >= 0)
+		return rejected(bad);
 	struct dosa_sparse_entry *entries = (void *)(h + 1);
 	for (int i = 0; i < DOSA_MAX_SPARSE_ENTRIES; i++) {
 		if (i >= cnt)
@@ -173,50 +240,57 @@ static __always_inline int merge_sparse(struct dosa_hdr *h, void *data_end, u32 
 		if ((void *)(e + 1) > data_end)
 			return DROP(SHORT_PACKET);
 		u32 idx = dosa_ntohl(e->index);
-		if (idx < lo || idx >= hi)
+		if (idx < mc.lo || idx >= mc.hi)
 			return DROP(INDEX_OUT_OF_PARTITION);
 	}
-
-	/* The worker's total and the round's scale: the first packet sets them, later ones agree. */
-	u64 old_total = __sync_val_compare_and_swap(&ws->total, 0, (u64)total);
-	if (old_total != 0 && old_total != total)
-		return DROP(TOTAL_MISMATCH);
-	s8 scale = h->scale_exp;
-	u64 tag = (u64)((s32)scale + DOSA_SCALE_TAG_BIAS);
-	u64 old_tag = __sync_val_compare_and_swap(&ps->scale_tag[parity & 1], 0, tag);
-	if (old_tag != 0 && old_tag != tag)
-		return DROP(SCALE_MISMATCH);
-
-	/* Dedup: atomic test-and-set of the seq bit. */
-	u64 bit = 1ULL << (seq & 63);
-	u64 old_bits = __sync_fetch_and_or(&ws->seen[(seq >> 6) & 3], bit);
-	if (old_bits & bit) {
-		if (*(volatile u64 *)&ps->workers_done[parity & 1] >= workers)
-			return PASS(PASS_DUP_OF_COMPLETE);
-		return DROP(DUPLICATE);
-	}
-
-	/* Pass 2: scatter-add. */
+	bad = claim(h, &mc);
+	if (bad >= 0)
+		return rejected(bad);
 	for (int i = 0; i < DOSA_MAX_SPARSE_ENTRIES; i++) {
 		if (i >= cnt)
 			break;
 		struct dosa_sparse_entry *e = &entries[i];
 		if ((void *)(e + 1) > data_end)
 			break; /* cannot happen: pass 1 checked every entry */
-		u32 slot = (u32)(buf0 + (dosa_ntohl(e->index) - lo));
+		u32 slot = (u32)(mc.buf0 + (dosa_ntohl(e->index) - mc.lo));
 		s64 *v = pool.lookup(&slot);
 		if (v)
 			__sync_fetch_and_add(v, (s64)(s32)dosa_ntohl(e->value));
 	}
-	count(DOSA_C_MERGED_ENTRIES, cnt);
+	return finish(h, job_id, &mc, cnt);
+}
 
-	u64 got = __sync_fetch_and_add(&ws->received, 1) + 1;
-	if (got == total) {
-		u64 done = __sync_fetch_and_add(&ps->workers_done[parity & 1], 1) + 1;
-		if (done == workers)
-			emit_completion(job_id, (u16)p, round, scale);
+/* DENSE_DATA: values for [base, base + count), which must lie inside the partition; summed into
+ * the same buffer, counted toward the same per-worker total as sparse packets (a contribution may
+ * mix both). */
+static __always_inline int merge_dense(struct dosa_hdr *h, void *data_end, u32 job_id,
+				       struct dosa_job *job)
+{
+	struct merge_ctx mc = {};
+	u32 cnt = dosa_ntohs(h->count);
+	u64 base = dosa_ntohl(h->base);
+	int bad = locate(h, job, &mc);
+
+	if (bad >= 0)
+		return rejected(bad);
+	if (base < mc.lo || base + cnt > mc.hi)
+		return DROP(INDEX_OUT_OF_PARTITION);
+	bad = claim(h, &mc);
+	if (bad >= 0)
+		return rejected(bad);
+	__be32 *vals = (void *)(h + 1);
+	u64 first = mc.buf0 + (base - mc.lo);
+	for (int i = 0; i < DOSA_MAX_DENSE_ENTRIES; i++) {
+		if (i >= cnt)
+			break;
+		if ((void *)(&vals[i] + 1) > data_end)
+			break; /* cannot happen: the length was checked against count */
+		u32 slot = (u32)(first + i);
+		s64 *v = pool.lookup(&slot);
+		if (v)
+			__sync_fetch_and_add(v, (s64)(s32)dosa_ntohl(vals[i]));
 	}
-	return verdict(DOSA_C_MERGED, XDP_DROP); /* consumed: merged in place */
+	return finish(h, job_id, &mc, cnt);
 }
 
 int xdp_dosa(struct xdp_md *ctx)
@@ -274,7 +348,7 @@ int xdp_dosa(struct xdp_md *ctx)
 	case DOSA_T_SPARSE_DATA:
 		return merge_sparse(h, data_end, job_id, job);
 	case DOSA_T_DENSE_DATA:
-		return PASS(PASS_DENSE);
+		return merge_dense(h, data_end, job_id, job);
 	default: /* RETX_REQUEST, HEARTBEAT */
 		return PASS(PASS_CONTROL);
 	}

@@ -98,8 +98,8 @@ def compile_program(config: LoadConfig = LoadConfig()):
     from bcc import BPF  # imported late: BCC is slow to import and needs root to be useful
 
     try:
-        bpf = BPF(text=program_text(), cflags=[f"-I{HERE}", *config.cflags()])
-        fn = bpf.load_func(FUNC_NAME, BPF.XDP)
+        bpf = BPF(text=program_text().encode(), cflags=[f"-I{HERE}", *config.cflags()])
+        fn = bpf.load_func(FUNC_NAME.encode(), BPF.XDP)
     except Exception as e:  # BCC raises bare Exceptions on compile / verifier errors
         raise DosaError(f"the XDP program failed to compile or verify: {e}") from e
     return bpf, fn.fd

@@ -34,22 +34,20 @@ class Counter(enum.IntEnum):
     IP_FRAGMENT = 16  # a fragmented IPv4 datagram to the dosa port (reassembly would bypass XDP)
     INTERNAL = 17  # a state lookup failed (pool bounds): a control-plane bug, never a sender's
     # ---- verdicts that are not drops ------------------------------------------------------------------
-    MERGED = 18  # a SPARSE_DATA packet added into the aggregation buffer (XDP_DROP after merging)
+    MERGED = 18  # a SPARSE_DATA or DENSE_DATA packet added into its buffer (XDP_DROP after merging)
     PASS_NOT_DOSA = 19  # not IPv4/UDP to a dosa port: XDP_PASS untouched
     PASS_CONTROL = 20  # RETX_REQUEST / HEARTBEAT of a valid flow: XDP_PASS to the DPU worker
     PASS_DUP_OF_COMPLETE = 21  # duplicate data of a complete round: XDP_PASS so the worker resends
-    PASS_DENSE = 22  # DENSE_DATA of a valid flow: XDP_PASS (dense merge in XDP is deferred)
     # ---- tallies (not verdicts) ---------------------------------------------------------------------
-    MERGED_ENTRIES = 23
-    COMPLETIONS = 24
-    COMPLETION_LOST = 25  # ring buffer full: the DPU worker must rescan (never expected)
+    MERGED_ENTRIES = 22  # sparse entries and dense values added
+    COMPLETIONS = 23
+    COMPLETION_LOST = 24  # ring buffer full: the DPU worker must rescan (never expected)
 
 
 NUM_COUNTERS = len(Counter)
 DROP_REASONS = [c for c in Counter if c < Counter.MERGED]
 VERDICTS = [c for c in Counter if c < Counter.MERGED_ENTRIES]
-PASSES = [Counter.PASS_NOT_DOSA, Counter.PASS_CONTROL, Counter.PASS_DUP_OF_COMPLETE,
-          Counter.PASS_DENSE]
+PASSES = [Counter.PASS_NOT_DOSA, Counter.PASS_CONTROL, Counter.PASS_DUP_OF_COMPLETE]
 
 
 def name(c: Counter) -> str:

@@ -29,6 +29,12 @@ def sparse(h, j, entries=((3, 5), (7, -2)), worker=0, **frame_kw):
     return Harness.frame(wire.build_packet(h, np.array(entries, np.int64)), worker, **frame_kw)
 
 
+def dense(j, base=0, n=8, partition=0, total=1, worker=0):
+    h = hdr(j, type=wire.PacketType.DENSE_DATA, base=base, partition=partition, total=total,
+            flags=int(wire.Flags.LAST) if total == 1 else 0, worker_id=worker)
+    return Harness.frame(wire.build_packet(h, np.arange(1, n + 1)), worker)
+
+
 def raw_hdr(j, mutate, entries=((3, 5),)):
     """A valid sparse frame whose dosa bytes are then edited by ``mutate(bytearray)``."""
     b = bytearray(wire.build_packet(hdr(j), np.array(entries, np.int64)))
@@ -123,8 +129,12 @@ ROWS = [
     ("retx_request", lambda h, j: ([], Harness.frame(wire.build_packet(
         hdr(j, type=wire.PacketType.RETX_REQUEST, flags=0), np.array([0, 2], np.uint32)))),
      XDP_PASS, Counter.PASS_CONTROL),
-    ("dense_data_passed", lambda h, j: ([], Harness.frame(wire.build_packet(
-        hdr(j, type=wire.PacketType.DENSE_DATA, base=0), np.arange(8)))), XDP_PASS, Counter.PASS_DENSE),
+    ("dense_data_merged", lambda h, j: ([], dense(j, base=300, n=8, partition=1)), XDP_DROP, Counter.MERGED),
+    ("dense_block_past_partition", lambda h, j: ([], dense(j, base=250, n=8)), XDP_DROP,
+     Counter.INDEX_OUT_OF_PARTITION),
+    ("dense_block_below_partition", lambda h, j: ([], dense(j, base=250, n=8, partition=1)), XDP_DROP,
+     Counter.INDEX_OUT_OF_PARTITION),
+    ("dense_duplicate", lambda h, j: ([dense(j, total=2)], dense(j, total=2)), XDP_DROP, Counter.DUPLICATE),
     ("dup_of_complete", lambda h, j: ([sparse(hdr(j), j), sparse(hdr(j, worker_id=1), j, worker=1)],
                                       sparse(hdr(j), j)), XDP_PASS, Counter.PASS_DUP_OF_COMPLETE),
 ]

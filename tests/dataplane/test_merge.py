@@ -9,6 +9,7 @@ import pytest
 from dataplane.maps import Completion
 from dataplane.reasons import Counter
 from dataplane_harness import XDP_DROP, XDP_PASS, random_contribution
+from dosa import wire
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(180)]
 
@@ -128,3 +129,31 @@ def test_extreme_values_accumulate_in_64_bits(h):
     big = 2**31 - 1
     h.run_all(h.data(j, 0, 0, 0, [0, 1], [big, -2**31]) + h.data(j, 1, 0, 0, [0, 1], [big, -2**31]))
     assert list(h.maps.buffer(j.job_id, 0, 0)[:2]) == [2 * big, -2**32]
+
+
+def test_dense_blocks_and_sparse_entries_mix_in_one_contribution(h):
+    """A worker may send a partition as dense blocks, sparse chunks or both: the sums are exact and
+    the partition completes when every worker's total is in."""
+    rng = np.random.default_rng(6)
+    j = h.job(workers=2, numel=1000, partition_size=1000)
+    ref = np.zeros(1000, np.int64)
+    frames = []
+    for w in range(2):
+        dense_vals = rng.integers(-2**31, 2**31 - 1, 700)  # [0, 700) in two dense blocks
+        np.add.at(ref, np.arange(700), dense_vals)
+        idx = np.sort(rng.choice(np.arange(700, 1000), 150, replace=False))
+        val = rng.integers(-1000, 1000, 150)
+        np.add.at(ref, idx, val)
+        for seq, (b, e) in enumerate([(0, 360), (360, 700)]):
+            hd = wire.Header(type=wire.PacketType.DENSE_DATA, job_id=j.job_id, worker_id=w, seq=seq,
+                             total=3, base=b)
+            frames.append(h.frame(wire.build_packet(hd, dense_vals[b:e]), w))
+        hs = wire.Header(job_id=j.job_id, worker_id=w, seq=2, total=3, flags=int(wire.Flags.LAST))
+        frames.append(h.frame(wire.build_packet(hs, np.stack([idx, val], 1)), w))
+    order = rng.permutation(len(frames))
+    h.run_all([frames[i] for i in order[:-1]])
+    assert h.maps.poll_completions(0) == []
+    h.run(frames[order[-1]])
+    assert h.maps.poll_completions(0) == [Completion(j.job_id, 0, 0, 0)]
+    assert np.array_equal(h.maps.buffer(j.job_id, 0, 0), ref)
+    assert h.counters()[Counter.MERGED_ENTRIES] == 2 * (700 + 150)
