@@ -455,6 +455,12 @@ def format_report(s: dict) -> str:
                         f"{busy}; drops {st.get('drops_total', 0)}")
         elif st:
             rows.append(f"DPU {name}: counters unavailable ({str(st.get('error', st))[:120]})")
+    hooks = [h for h in (s["runs"]["dosa"].get("hook") or []) if h and h.get("dosa_rounds")]
+    if hooks:
+        per = lambda key: sum(h[key] / h["dosa_rounds"] for h in hooks) / len(hooks) * 1e3  # noqa: E731
+        rows.append(f"dosa hook per step: {per('dosa_seconds'):.2f} ms, of which {per('allreduce_seconds'):.2f} ms "
+                    f"in the network round; mean density {hooks[0]['mean_density']:.4f}, "
+                    f"{sum(h['retransmissions'] for h in hooks)} retransmissions (all hosts)")
     d = s["runs"]["dosa"]
     rows.append(f"bytes: dosa = {d['bytes_method']}; dense = {s['runs']['dense']['bytes_method']}")
     return "\n".join(rows)

@@ -66,6 +66,7 @@ class DosaHookStats:
     densities: list[float] = field(default_factory=list)  #: sent entries / numel, per dosa round
     residual_resets: int = 0  #: buckets whose layout changed (DDP rebuilds buckets after step 1)
     dosa_seconds: float = 0.0  #: wall time spent in dosa rounds (encode + allreduce + decode)
+    allreduce_seconds: float = 0.0  #: of which waiting for the network round (client.allreduce_sparse)
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -293,7 +294,9 @@ class DosaHookState:
             acc = np.concatenate(parts)
             world = self.world_size
             enc = hook_codec.encode(acc, self.density, self._scale_exp, world)
+            t1 = time.perf_counter()
             res_idx, res_sums = self._client.allreduce_sparse(enc.indices, enc.values, enc.scale_exp)
+            self.stats.allreduce_seconds += time.perf_counter() - t1
             avg, new_residual, max_abs = hook_codec.decode(acc.size, enc, res_idx, res_sums, world)
             self._scale_exp = hook_codec.next_scale_exp(max_abs, world, self.headroom, enc.scale_exp)
             if self.momentum and self.momentum_masking and enc.indices.size:

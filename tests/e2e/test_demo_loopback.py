@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -105,3 +106,20 @@ def test_a_failing_rank_fails_the_demo_clearly_and_stops_everything(tmp_path):
         LoopbackCluster.__exit__ = orig_exit
     assert cluster_pids and not any(_alive(p) for p in cluster_pids)
     assert not (tmp_path / "demo.json").exists()
+
+
+@pytest.mark.timeout(150)
+def test_dosa_demo_cli_writes_its_files_and_its_exit_status_follows_the_target(tmp_path):
+    """`dosa demo` end to end through the CLI (what `make demo` runs), short: 1 epoch on 2 hosts.
+    Exit 0 exactly when dosa is within the target, 1 otherwise; 2 for bad arguments."""
+    dosa = [sys.executable, "-m", "dosa", "demo"]
+    bad = subprocess.run([*dosa, "--hosts", "1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--hosts must be between 2 and 64" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    r = subprocess.run([*dosa, "--backend", "loopback", "--hosts", "2", "--epochs", "1", "--json",
+                        "--out", str(tmp_path), "--timeout", "120"],
+                       capture_output=True, text=True, timeout=140)
+    summary = json.loads(r.stdout)
+    assert r.returncode == (0 if summary["within_target"] else 1), r.stderr[-2000:]
+    assert summary["backend"] == "loopback" and set(summary["runs"]) == {"dosa", "dense"}
+    assert (tmp_path / "demo.json").exists()
