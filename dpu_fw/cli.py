@@ -95,10 +95,12 @@ def cmd_run(args) -> int:
             return jobs_from_maps(worker.maps, bind, args.gtopk_density)
     elif not jobs:
         raise DosaError("give --job-config FILE or --control ADDR:PORT to learn the jobs to serve")
-    if bind is None:
-        raise DosaError("give --addr/--port, or a job config naming this DPU's address")
     if idx is None:
         idx = 0
+    if bind is None and jobs:
+        bind = jobs[0].dpus[idx]
+    if bind is None:
+        raise DosaError("give --addr/--port, or a job config naming this DPU's address")
     worker = DpuWorker(jobs, idx, mode=args.mode, bind=bind, state_dir=args.state_dir,
                        instance=instance, discover=discover)
     install_signal_handlers(worker)
@@ -106,7 +108,13 @@ def cmd_run(args) -> int:
         with open(args.pid_file, "w") as f:
             f.write(f"{os.getpid()}\n")
     try:
-        worker.run(args.duration)
+        prof = os.environ.get("DOSA_DPU_PROFILE")  # a cProfile dump of the worker loop, for tuning
+        if prof:
+            import cProfile
+
+            cProfile.runctx("worker.run(args.duration)", globals(), locals(), prof)
+        else:
+            worker.run(args.duration)
     finally:
         worker.close()
         if args.pid_file:

@@ -35,6 +35,10 @@ from .userspace import DUP_OF_COMPLETE, VERDICTS, MergeState, top_k_abs
 
 log = logging.getLogger("dosa.dpu")
 MODES = ("userspace", "xdp")
+#: Seconds during which a whole result is not sent to the same host again (see JobRuntime.answer):
+#: right after the fan-out the result is still on its way, and a host that asked before it arrived
+#: would otherwise double the DPU's send load exactly when it is busiest.
+ANSWER_GUARD = 0.25
 
 
 def status_packet(job_id: int, partition: int, rnd: int, missing: list[int]) -> PacketBatch:
@@ -62,6 +66,8 @@ class JobRuntime:
         self.backend = backend
         self.shadow: dict[tuple[int, int], tuple[PacketBatch, np.ndarray]] = {}
         self.saturated = 0
+        self._answered: dict[tuple[int, int, int], float] = {}
+        self._emitted: dict[tuple[int, int], float] = {}
 
     def result(self, lp: int, rnd: int) -> PacketBatch:
         """The result packets of (lp, rnd): from the shadow cache, or built from the buffer."""
@@ -99,14 +105,28 @@ class JobRuntime:
         """Round ``rnd`` of local partition ``lp`` completed: advance if it was base+1, then emit."""
         self._settle(lp, rnd)
         batch = self.result(lp, rnd)
+        if len(self._emitted) > 65536:
+            self._emitted.clear()
+        self._emitted[(lp, rnd)] = time.monotonic()
         n, h = len(batch), len(self.host_ip)
         rows = np.repeat(np.arange(n), h)  # packet-major: each packet to every host in turn
         ep.send(batch, rows, np.tile(self.host_ip, n), np.tile(self.host_port, n))
 
     def answer(self, lp: int, rnd: int, worker: int, ep: UdpEndpoint, seqs=None) -> str:
-        """Resend (some of) a complete round's result to one host, or tell it who is missing."""
+        """Resend (some of) a complete round's result to one host, or tell it who is missing.
+
+        A whole result goes to the same host at most every ANSWER_GUARD s: a host that resends all
+        its data packets of a partition triggers one answer, not one per packet."""
         if not self.backend.in_window(lp, rnd):
             return "retx_too_old"
+        if seqs is None or not len(seqs):
+            now = time.monotonic()
+            key = (lp, rnd, worker)
+            if now - max(self._answered.get(key, -1.0), self._emitted.get((lp, rnd), -1.0)) < ANSWER_GUARD:
+                return "answer_suppressed"
+            if len(self._answered) > 65536:
+                self._answered.clear()
+            self._answered[key] = now
         p = int(self.owned[lp])
         if not self.backend.is_complete(lp, rnd):
             st = status_packet(self.job.job_id, p, rnd, self.backend.missing_workers(lp, rnd))

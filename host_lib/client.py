@@ -104,7 +104,7 @@ class AggregationClient:
     """
 
     def __init__(self, job: JobConfig | None = None, *, worker_id: int, control=None, join: dict | None = None,
-                 timeout: float = 10.0, retx_interval: float = 0.1, window: int = 256,
+                 timeout: float = 10.0, retx_interval: float = 0.2, window: int = 256,
                  density: float | None = None, bind: tuple[str, int] | None = None, numel=None,
                  shuffle_sends: bool = False):
         if job is None:
@@ -255,6 +255,7 @@ class _Round:
         self.got = np.zeros((P, wire.MAX_PACKETS_PER_CONTRIBUTION), bool)
         self.last_tx = np.zeros(P)
         self.tries = np.zeros(P, np.int64)
+        self.unanswered = np.zeros(P, np.int64)  # RETX_REQUESTs without any answer since last data
         self.chunks_idx: list[np.ndarray] = []
         self.chunks_val: list[np.ndarray] = []
         self.next = 0
@@ -271,7 +272,7 @@ class _Round:
             now = time.monotonic()
             if now - last_progress > c.timeout:
                 self._fail()
-            self._retransmit(now)
+            self._retransmit(now, last_progress)
         idx = np.concatenate(self.chunks_idx) if self.chunks_idx else np.zeros(0, np.uint32)
         val = np.concatenate(self.chunks_val) if self.chunks_val else np.zeros(0, np.int32)
         order = np.argsort(idx, kind="stable")
@@ -304,9 +305,16 @@ class _Round:
         t = h["type"]
         mine = (h["job_id"] == self.c.job.job_id) & (h["round"] == self.c.round) \
             & (h["partition"] < self.P) & (h["worker_id"] == wire.DPU_SENDER_ID)
+        need = []
         for i in np.flatnonzero(mine & (t == PacketType.STATUS)).tolist():
-            ws = parsed.indices[parsed.offsets[i]:parsed.offsets[i + 1]]
-            self.missing[int(h["partition"][i])] = sorted(int(w) for w in ws)
+            p = int(h["partition"][i])
+            ws = sorted(int(w) for w in parsed.indices[parsed.offsets[i]:parsed.offsets[i + 1]])
+            self.missing[p] = ws
+            self.unanswered[p] = 0
+            if self.c.worker_id in ws and not self.done[p]:
+                need.append(p)
+        if need:  # the DPU lacks (part of) our contribution: it was lost, resend it
+            self._resend_data(np.unique(need))
         res = np.flatnonzero(mine & (t == PacketType.SPARSE_RESULT)
                              & (h["scale_exp"] == self.scale_exp))
         if not len(res):
@@ -332,33 +340,66 @@ class _Round:
         self.done |= (self.res_total > 0) & (self.res_got >= self.res_total)
         return True
 
-    def _retransmit(self, now: float) -> None:
+    def _retransmit(self, now: float, last_progress: float) -> None:
+        """Re-request what is overdue. A partition's timer runs from its last send or from the
+        round's last progress, whichever is later: while results keep arriving the DPU is busy, not
+        lossy, and resending would only add load (a 25M-entry round takes seconds).
+
+        No result yet: ask first, with a tiny RETX_REQUEST(count=0). The DPU answers with the result
+        (complete round) or a STATUS naming the workers it waits for; our data packets are resent
+        only when that STATUS names us (see _absorb), or when two asks got no answer at all (the
+        DPU worker may be restarting; the dataplane still merges). Some result packets: ask for
+        the missing seqs."""
         c = self.c
         backoff = 2.0 ** np.minimum(self.tries, 2)
-        due = np.flatnonzero(self.sent & ~self.done & (now - self.last_tx > c.retx_interval * backoff))
+        since = now - np.maximum(self.last_tx, last_progress)
+        due = np.flatnonzero(self.sent & ~self.done & (since > c.retx_interval * backoff))
         if not len(due):
             return
-        rows, reqs = [], []
-        for p in due.tolist():
-            if self.res_got[p] == 0:
-                rows.append(np.arange(self.pk_start[p], self.pk_start[p + 1]))
-                if self.tries[p] >= 1:
-                    reqs.append(self._retx_request(p, RETX_ALL))
-            else:
-                have = self.got[p, :self.res_total[p]]
-                reqs.append(self._retx_request(p, np.flatnonzero(~have).astype(np.uint32)[:wire.MAX_RETX_ENTRIES]))
-        if rows:
-            r = np.concatenate(rows)
-            hdr = self.batch.data.view(HEADER_DTYPE)[:, 0]
-            hdr["flags"][r] = hdr["flags"][r] | int(Flags.RETRANSMIT)
-            self._send(r)
-            c.retransmissions += len(r)
+        nores = due[self.res_got[due] == 0]
+        partial = due[self.res_got[due] > 0]
+        resend = nores[self.unanswered[nores] >= 2]
+        self.unanswered[nores] += 1
+        if len(resend):
+            self._resend_data(resend)
+        if len(nores):
+            self._send_retx_all(nores)
+        reqs = []
+        for p in partial.tolist():
+            have = self.got[p, :self.res_total[p]]
+            seqs = np.flatnonzero(~have).astype(np.uint32)[:wire.MAX_RETX_ENTRIES]
+            reqs.append(self._retx_request(p, seqs))
         if reqs:
             rb = PacketBatch.from_packets([q for q, _ in reqs], dest=[d for _, d in reqs])
             c.ep.send_to_table(rb, c.dpu_table)
             c.retransmissions += len(reqs)
         self.last_tx[due] = now
         self.tries[due] += 1
+
+    def _resend_data(self, parts: np.ndarray) -> None:
+        """Resend this host's data packets of ``parts`` (RETRANSMIT flag; the DPU never adds a
+        packet twice)."""
+        starts, ends = self.pk_start[parts], self.pk_start[parts + 1]
+        r = np.repeat(starts - np.cumsum(np.r_[0, (ends - starts)[:-1]]), ends - starts) + \
+            np.arange(int((ends - starts).sum()))
+        hdr = self.batch.data.view(HEADER_DTYPE)[:, 0]
+        hdr["flags"][r] = hdr["flags"][r] | int(Flags.RETRANSMIT)
+        self._send(r)
+        self.unanswered[parts] = 0
+        self.c.retransmissions += len(r)
+
+    def _send_retx_all(self, parts: np.ndarray) -> None:
+        """RETX_REQUEST(count=0) for each partition in ``parts``, built vectorized."""
+        n = len(parts)
+        b = PacketBatch.empty(n)
+        h = b.data.view(HEADER_DTYPE)[:, 0]
+        h["magic"], h["version"], h["type"] = wire.MAGIC, wire.VERSION, PacketType.RETX_REQUEST
+        h["job_id"], h["worker_id"], h["round"] = self.c.job.job_id, self.c.worker_id, self.c.round
+        h["partition"], h["total"] = parts, 1
+        b.lengths[:] = wire.HDR_LEN
+        b.dest[:] = self.owner[parts]
+        self.c.ep.send_to_table(b, self.c.dpu_table)
+        self.c.retransmissions += n
 
     def _retx_request(self, p: int, seqs: np.ndarray) -> tuple[bytes, int]:
         h = wire.Header(type=PacketType.RETX_REQUEST, job_id=self.c.job.job_id,

@@ -152,7 +152,7 @@ class UdpEndpoint:
         self.truncated = 0
 
     def _set_buffers(self, size: int) -> None:
-        for force, plain in ((33, socket.SO_SNDBUF), (32, socket.SO_RCVBUF)):  # SO_*BUFFORCE
+        for force, plain in ((32, socket.SO_SNDBUF), (33, socket.SO_RCVBUF)):  # SO_*BUFFORCE
             try:
                 self.sock.setsockopt(socket.SOL_SOCKET, force, size)
             except OSError:
