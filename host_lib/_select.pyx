@@ -6,8 +6,9 @@ these kernels read the array once, compact the hits into preallocated outputs, a
 the same pass, without the GIL. The array is scanned in blocks of 32: a branch-free max-reduction of the magnitude bits
 (vectorized by the compiler; an AVX2 clone is picked at load time where the CPU has it) tells whether
 the block holds a hit or a NaN/Inf; ~75% of blocks at density 0.01 have neither and cost a few
-vector instructions. Hit blocks are compacted branch-free. About 1.3x the time of ``np.sum`` over the
-same array (measured: 19 ms vs 15 ms CPU for 25M float32).
+vector instructions. In a hit block a vectorized compare builds a 32-bit hit mask whose set bits are
+visited with ctz. About 1.1x the time of ``np.sum`` over the same array (measured: 16 ms vs 14.6 ms
+CPU for 25M float32 at density 0.01).
 """
 from libc.stdint cimport uint32_t, int64_t
 
@@ -16,7 +17,7 @@ cdef extern from *:
     #include <math.h>
     #include <stdint.h>
     #include <string.h>
-    #define DOSA_BLOCK 32
+    #define DOSA_BLOCK 32   /* <= 32: a block's hits fit one uint32 bitmask */
     typedef uint32_t __attribute__((may_alias)) dosa_u32a;  /* read float bits without UB */
 
     static const uint32_t INF_BITS = 0x7f800000u;  /* |x| bits >= this: Inf or NaN */
@@ -81,11 +82,16 @@ cdef extern from *:
                 if (g)
                     memcpy(r + i0, tmp, sizeof(tmp));
                 if (hit) {
-                    /* branch-free compaction: always write, advance only on a hit */
-                    for (j = 0; j < DOSA_BLOCK; j++) {
-                        idx[c] = (uint32_t)(i0 + j);
-                        val[c] = x[j];
-                        c += (xb[j] & 0x7fffffffu) >= tb;
+                    /* hits as a bitmask (vectorized), then visit only the set bits */
+                    uint32_t mask = 0;
+                    for (j = 0; j < DOSA_BLOCK; j++)
+                        mask |= (uint32_t)((xb[j] & 0x7fffffffu) >= tb) << j;
+                    while (mask) {
+                        int jj = __builtin_ctz(mask);
+                        idx[c] = (uint32_t)(i0 + jj);
+                        val[c] = x[jj];
+                        c++;
+                        mask &= mask - 1;
                     }
                 }
                 continue;
