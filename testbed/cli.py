@@ -26,10 +26,12 @@ def register(sub) -> None:
     up.add_argument("--hosts", type=int, required=True, help="number of host namespaces (ranks)")
     up.add_argument("--dpus", type=int, default=1, help="number of DPU namespaces (default 1)")
     up.add_argument("--link-rate", help="rate of each host link, e.g. 10gbit, 100mbit (tbf)")
-    up.add_argument("--delay", help="one-way delay per direction, e.g. 200us (needs netem)")
+    up.add_argument("--delay", help="one-way delay per direction, e.g. 200us (needs the netem "
+                                    "qdisc, which this kernel lacks)")
     up.add_argument("--loss", help="random loss per direction in percent, e.g. 1%%")
     up.add_argument("--dup", help="random duplication per direction in percent")
-    up.add_argument("--reorder", help="percent of packets sent without --delay (needs netem)")
+    up.add_argument("--reorder", help="percent of UDP packets per direction held in a slow lane "
+                                      "that later packets overtake, e.g. 5%% (HTB + tc BPF)")
     up.add_argument("--shape-dpus", action="store_true",
                     help="shape the DPU links too (default: host links only)")
     up.add_argument("--cpu-split", action="store_true",

@@ -151,7 +151,7 @@ class Testbed:
         ns.ip("link", "set", "lo", "up", ns=fab)
         if shaping.netem_args():
             impair.require_netem(fab)
-        impair_obj = impair.build(shaping, self.run_dir) if shaping.needs_impair else None
+        impair_obj = impair.build(shaping, self.run_dir) if shaping.needs_bpf_object else None
         # no STP (ports forward at once), no multicast snooping (multicast is flooded to all ports,
         # so a group works without IGMP queriers), no IPv6 link-local chatter in captures
         ns.ip("link", "add", BRIDGE, "address", BRIDGE_MAC, "type", "bridge", "stp_state", "0", "forward_delay", "0",
@@ -175,11 +175,9 @@ class Testbed:
                 ns.sh(["ip", "netns", "exec", fab, "ethtool", "-K", n.fabric_port, "gro", "on"],
                       what=f"enabling GRO on {n.fabric_port}")
             if shaping.active and (n.role == "host" or shape_dpus):
-                for cmd in shaping.qdisc_commands(NODE_IFACE):
-                    ns.tc(*cmd, ns=n.namespace)
-                for cmd in shaping.qdisc_commands(n.fabric_port):
-                    ns.tc(*cmd, ns=fab)
-                if impair_obj:
+                impair.apply_qdiscs(n.namespace, NODE_IFACE, shaping, impair_obj)
+                impair.apply_qdiscs(fab, n.fabric_port, shaping, impair_obj)
+                if shaping.needs_impair:
                     impair.attach(fab, n.fabric_port, impair_obj)
 
     def _start_services(self, layout: Layout, st: dict, ready_timeout: float) -> None:

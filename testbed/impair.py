@@ -1,4 +1,5 @@
-"""Compile and attach testbed/impair.c (random loss / duplication) and probe for netem.
+"""Compile and attach testbed/impair.c (random loss / duplication, the reorder classifier), install a
+link's egress qdiscs, and probe for netem.
 
 The object is compiled once per ``up`` with the probabilities as constants (clang, ~0.2 s) and
 loaded by ``tc`` itself; the kernel keeps the program alive as long as the filter exists, and the
@@ -36,11 +37,24 @@ def attach(namespace: str, dev: str, obj: Path) -> None:
           ns=namespace)
 
 
+def apply_qdiscs(namespace: str, dev: str, shaping: Shaping, obj: Path | None = None) -> None:
+    """Install ``shaping``'s egress qdiscs on ``dev`` (tbf, netem, or the HTB reordering layout with
+    its classifier from ``obj``, which ``build(shaping, ...)`` made). Remove them with
+    ``tc qdisc del dev DEV root``."""
+    for cmd in shaping.qdisc_commands(dev):
+        ns.tc(*cmd, ns=namespace)
+    if shaping.uses_htb_reorder:
+        if obj is None:
+            raise DosaError("reordering needs the compiled testbed/impair.c (impair.build)")
+        ns.tc(*shaping.reorder_filter_command(dev, str(obj)), ns=namespace)
+
+
 def require_netem(namespace: str) -> None:
     """Raise a clear error when the kernel has no netem qdisc (probed on the namespace's lo)."""
     p = ns.sh(["tc", "-n", namespace, "qdisc", "add", "dev", "lo", "root", "netem"], check=False)
     if p.returncode != 0:
-        raise DosaError("--delay and --reorder need the kernel's netem qdisc "
-                        "(CONFIG_NET_SCH_NETEM), which this kernel does not have; rate, loss and "
-                        "duplication work without it")
+        raise DosaError("--delay needs the kernel's netem qdisc (CONFIG_NET_SCH_NETEM), which this "
+                        "kernel does not have (nor fq or etf, the other qdiscs that can hold a "
+                        "packet for a time); --reorder, --link-rate, --loss and --dup work "
+                        "without it")
     ns.sh(["tc", "-n", namespace, "qdisc", "del", "dev", "lo", "root"], check=False)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
     (dict(hosts=2, dpus=1, link_rate="fast"), "link rate 'fast' is not a rate like"),
     (dict(hosts=2, dpus=1, loss="150"), "--loss must be between 0 and 100 percent"),
     (dict(hosts=2, dpus=1, dup="x"), "--dup 'x' is not a percentage"),
-    (dict(hosts=2, dpus=1, reorder="5"), "--reorder needs --delay"),
+    (dict(hosts=2, dpus=1, reorder="150"), "--reorder must be between 0 and 100 percent"),
     (dict(hosts=2, dpus=1, mode="ebpf"), "--mode must be one of xdp, userspace"),
 ])
 @pytest.mark.root
