@@ -144,15 +144,26 @@ _lib.bpf_prog_test_run_opts.argtypes = [ctypes.c_int, ctypes.POINTER(TestRunOpts
 _lib.bpf_prog_test_run_opts.restype = ctypes.c_int
 
 
-def prog_test_run(prog_fd: int, data: bytes, repeat: int = 1) -> tuple[int, bytes]:
-    """Run an XDP program once on ``data`` (BPF_PROG_TEST_RUN); returns (action, output packet)."""
+def _test_run(prog_fd: int, data: bytes, repeat: int) -> tuple[TestRunOpts, ctypes.Array]:
     inbuf = ctypes.create_string_buffer(data, len(data))
     outbuf = ctypes.create_string_buffer(len(data) + 512)
     o = TestRunOpts(sz=ctypes.sizeof(TestRunOpts), data_in=ctypes.addressof(inbuf),
                     data_out=ctypes.addressof(outbuf), data_size_in=len(data),
                     data_size_out=len(outbuf), repeat=repeat)
     _check(_lib.bpf_prog_test_run_opts(prog_fd, ctypes.byref(o)), "bpf_prog_test_run_opts")
+    return o, outbuf
+
+
+def prog_test_run(prog_fd: int, data: bytes, repeat: int = 1) -> tuple[int, bytes]:
+    """Run an XDP program once on ``data`` (BPF_PROG_TEST_RUN); returns (action, output packet)."""
+    o, outbuf = _test_run(prog_fd, data, repeat)
     return o.retval, outbuf.raw[: o.data_size_out]
+
+
+def prog_test_run_timed(prog_fd: int, data: bytes) -> tuple[int, int]:
+    """Run once; returns (action, nanoseconds the kernel measured for the program run)."""
+    o, _ = _test_run(prog_fd, data, 1)
+    return o.retval, o.duration
 
 
 def xdp_attach(ifindex: int, prog_fd: int, flags: int = 0) -> None:
