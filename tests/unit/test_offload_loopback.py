@@ -133,8 +133,10 @@ def test_killed_service_midepoch_without_fallback_raises_after_exact_batches():
         assert np.array_equal(ids, pipe.batch(0, b)[2]) and np.array_equal(x, pipe.batch(0, b)[0])
 
 
-def _trained_model():
-    import torch
+@pytest.fixture(scope="module")
+def trained():
+    """A small CNN trained for a few steps (so its metrics are not those of a constant)."""
+    torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     model = build_model({"family": "cnn", "in_shape": [2, 16, 16], "classes": 10, "channels": [8]})
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -145,10 +147,14 @@ def _trained_model():
     return model
 
 
+def _copy(model):
+    import copy
+    return copy.deepcopy(model)
+
+
 @pytest.mark.timeout(120)
-def test_validation_metrics_equal_local_evaluation_of_the_same_snapshot(services):
-    pytest.importorskip("torch")
-    model = _trained_model()
+def test_validation_metrics_equal_local_evaluation_of_the_same_snapshot(services, trained):
+    model = _copy(trained)
     snapshot = state_arrays(model)
     with OffloadedValidator(services.validate_address, dataset=DS) as validator:
         handle = validator.submit(model, epoch=0)
@@ -163,9 +169,8 @@ def test_validation_metrics_equal_local_evaluation_of_the_same_snapshot(services
 
 
 @pytest.mark.timeout(120)
-def test_validator_on_a_dead_service_raises_or_evaluates_locally():
-    pytest.importorskip("torch")
-    model = _trained_model()
+def test_validator_on_a_dead_service_raises_or_evaluates_locally(trained):
+    model = trained
     address = f"127.0.0.1:{_free_port()}"
     with pytest.raises(ServiceLost):
         OffloadedValidator(address, dataset=DS, timeout=2).submit(model, 0)
@@ -180,9 +185,8 @@ def test_validator_on_a_dead_service_raises_or_evaluates_locally():
 
 
 @pytest.mark.timeout(120)
-def test_a_snapshot_that_does_not_fit_its_spec_fails_that_job_only(services):
-    pytest.importorskip("torch")
-    model = _trained_model()
+def test_a_snapshot_that_does_not_fit_its_spec_fails_that_job_only(services, trained):
+    model = trained
     wrong = dict(model.spec, channels=[4])
     with OffloadedValidator(services.validate_address, dataset=DS) as validator:
         bad = validator.submit(model, epoch=0, spec=wrong)
