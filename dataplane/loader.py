@@ -77,11 +77,31 @@ def require_root(what: str) -> None:
         raise NeedsRoot(what)
 
 
-def ensure_bpffs() -> None:
-    """Mount bpffs at /sys/fs/bpf when it is not (some minimal systems do not mount it)."""
+def bpffs_mounted() -> bool:
     with open("/proc/mounts") as f:
-        if any(line.split()[1:3] == [BPFFS, "bpf"] for line in f if len(line.split()) > 2):
-            return
+        return any(line.split()[1:3] == [BPFFS, "bpf"] for line in f if len(line.split()) > 2)
+
+
+def _private_mount_ns() -> bool:
+    """True when this process is not in init's mount namespace (as under `ip netns exec`, where
+    even reading /proc/1/ns/mnt is refused)."""
+    try:
+        return os.readlink("/proc/self/ns/mnt") != os.readlink("/proc/1/ns/mnt")
+    except OSError:
+        return True
+
+
+BPFFS_HINT = ("/sys/fs/bpf is not mounted in this mount namespace (`ip netns exec` remounts /sys); "
+              "enter the namespace with `nsenter --net=/run/netns/NAME` instead so the pins are shared")
+
+
+def ensure_bpffs() -> None:
+    """Mount bpffs at /sys/fs/bpf when it is not (some minimal systems do not mount it). Refuses in
+    a private mount namespace: pins there would be invisible to every other process."""
+    if bpffs_mounted():
+        return
+    if _private_mount_ns():
+        raise DosaError(BPFFS_HINT)
     r = subprocess.run(["mount", "-t", "bpf", "bpf", BPFFS], capture_output=True, text=True)
     if r.returncode != 0:
         raise DosaError(f"cannot mount the BPF filesystem on {BPFFS}: {r.stderr.strip()}")

@@ -132,6 +132,8 @@ class DataplaneMaps:
         loader.require_root("opening the dataplane maps")
         d = loader.pin_dir(instance)
         if not loader.is_loaded(instance):
+            if not loader.bpffs_mounted():
+                raise DosaError(loader.BPFFS_HINT)
             raise DosaError(f"dataplane instance {instance!r} is not loaded (no pins in {d}); "
                             "run `dosa ctl attach` first")
         fds: dict[str, int] = {}

@@ -65,7 +65,70 @@ def test_user_errors_are_one_sentence(args, msg):
     assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_ip_netns_exec_explains_the_hidden_bpffs(netns_factory):
+    ns = netns_factory("mnt")
+    r = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "dosa", "ctl", "attach",
+                        "--iface", "lo", "--instance", "hidden"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and "nsenter" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_without_root_says_so():
     r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
                         "-m", "dosa", "ctl", "stats"], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2 and "needs root" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def _wait_health(url, proc, timeout=60):
+    import time
+
+    from control.api import request
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise AssertionError(f"dosa ctl serve exited: {proc.stderr.read()}")
+        try:
+            return request(url, "GET", "/v1/health", timeout=1)
+        except Exception:
+            time.sleep(0.1)
+    raise AssertionError("dosa ctl serve did not come up")
+
+
+@pytest.mark.parametrize("mode", ["userspace", "xdp"])
+def test_serve_answers_joins_and_cleans_up_on_sigterm(netns_factory, mode):
+    """`dosa ctl serve` inside a DPU namespace, as the testbed starts it: a host joins over HTTP,
+    SIGTERM stops it with status 0, and in xdp mode the program is detached and unloaded."""
+    import signal
+
+    from control.api import join_raw
+
+    ns = netns_factory("srv")
+    subprocess.run(["ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", "p0"], check=True)
+    subprocess.run(["ip", "-n", ns, "addr", "add", "10.91.0.1/24", "dev", "eth0"], check=True)
+    subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "up"], check=True)
+    subprocess.run(["ip", "-n", ns, "link", "set", "p0", "up"], check=True)
+    pin = f"/sys/fs/bpf/dosa-srvtest-{uuid.uuid4().hex[:6]}"
+    # nsenter --net, as the testbed does: `ip netns exec` would remount /sys and hide the bpffs
+    argv = ["nsenter", f"--net=/run/netns/{ns}", "--", sys.executable, "-m", "dosa", "ctl", "serve", "--addr", "10.91.0.1",
+            "--listen", "127.0.0.1:17800", "--mode", mode, "--pin-dir", pin]
+    if mode == "xdp":
+        argv += ["--iface", "eth0"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        from control.netns import run_in_netns
+
+        run_in_netns(ns, _wait_health, "127.0.0.1:17800", proc)
+        resp = run_in_netns(ns, lambda: join_raw("127.0.0.1:17800", 5, "10.91.0.7", 17791, None, 0,
+                                                 numel=1000, workers=1))
+        assert resp["complete"] and resp["dpus"] == [{"index": 0, "address": "10.91.0.1", "port": 17791}]
+        if mode == "xdp":
+            assert os.path.exists(f"{pin}/prog") and os.path.exists(f"{pin}/jobs")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read()
+        assert not os.path.exists(pin)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if os.path.exists(pin):
+            subprocess.run(["rm", "-rf", pin])
