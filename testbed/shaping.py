@@ -68,7 +68,10 @@ def parse_percent(flag: str, text) -> float:
 FAST_CLASS_MINOR = 0x10
 SLOW_CLASS_MINOR = 0x20
 UNSHAPED_BPS = 100 * 10**9  # "no limit" for HTB's classes on an unshaped link
-UNSHAPED_REF_BPS = 10**9  # the link rate the slow lane is sized for when unshaped
+# the link rate the slow lane is sized for when unshaped: about what a test's Python sender or a
+# few ranks push through a veth, so that the reordered share is close to P there (measured: 20%
+# per direction -> 35% of h0->h1 datagrams late over two links, 5% -> 10%, 1% -> 1.8%)
+UNSHAPED_REF_BPS = 10**8
 SLOW_MIN_BPS = 10**6
 SLOW_BURST = 1600  # about one full-size frame: a second packet in the slow lane must wait
 SLOW_QUEUE_PACKETS = 1000  # as a veth's txqueuelen: the slow lane drops only beyond that
@@ -109,13 +112,15 @@ class Shaping:
         return bool(self.reorder_pct and not self.delay_s)
 
     def slow_lane_bps(self) -> int:
-        """Hard rate of the HTB slow class: the reordered share of the link rate (of
-        ``UNSHAPED_REF_BPS`` when the link is unshaped), at least ``SLOW_MIN_BPS``. At that rate the
-        slow lane is exactly loaded when the link is full, so reordering costs no throughput at the
-        link rate, while each held packet waits about 1/P packet times per packet queued before it
-        in the lane: the more rarely packets are picked, the deeper they are reordered."""
+        """Hard rate of the HTB slow class: the reordered share P of the link rate (of
+        ``UNSHAPED_REF_BPS`` when the link is unshaped), at least ``SLOW_MIN_BPS``, at most the
+        link rate. At that rate the slow lane is exactly loaded when the link is full, so
+        reordering costs no throughput at the link rate; a packet in the lane takes 1/P times as
+        long as on the link, so one that finds another in the lane is overtaken by ~1/P packets
+        (the rarer the pick, the deeper the reordering). A token bucket sends a packet that finds
+        the lane idle at once: at a small fraction of the link rate fewer than P arrive late."""
         ref = self.rate_bps or UNSHAPED_REF_BPS
-        return max(SLOW_MIN_BPS, round(ref * self.reorder_pct / 100))
+        return min(ref, max(SLOW_MIN_BPS, round(ref * self.reorder_pct / 100)))
 
     def netem_args(self) -> list[str]:
         a: list[str] = []
@@ -197,7 +202,7 @@ class Shaping:
             ["class", "add", *base, "parent", "1:", "classid", "1:1", "htb",
              "rate", f"{link}bit", "ceil", f"{link}bit", *b, *q],
             ["class", "add", *base, "parent", "1:1", "classid", f"1:{FAST_CLASS_MINOR:x}", "htb",
-             "rate", f"{max(link - slow, SLOW_MIN_BPS)}bit", "ceil", f"{link}bit", *b, *q,
+             "rate", f"{max(link - slow, 8000)}bit", "ceil", f"{link}bit", *b, *q,
              "prio", "0"],
             ["class", "add", *base, "parent", "1:1", "classid", f"1:{SLOW_CLASS_MINOR:x}", "htb",
              "rate", f"{slow}bit", "ceil", f"{slow}bit", "burst", str(SLOW_BURST), "cburst",
