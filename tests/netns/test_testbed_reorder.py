@@ -107,6 +107,18 @@ def test_reorder_20_percent_delivers_some_udp_late_and_loses_none():
 
 
 @pytest.mark.root
+def test_reorder_100_picks_exactly_the_udp_packets_never_arp():
+    """Every UDP datagram and nothing else goes to the slow lane (ARP resolution of h1 passed
+    through the fast one), and one FIFO lane keeps its packets in order."""
+    with scratch_testbed(hosts=2, dpus=0, services=False, reorder="100") as tb:
+        r = send_numbered(tb, 500)
+        classes = htb_classes(tb, "h0", "eth0")
+    assert r == {"received": 500, "unique": 500, "late": 0}
+    assert classes["1:20"]["packets"] == 500, classes
+    assert classes["1:10"]["packets"] >= 1, classes  # the ARP request
+
+
+@pytest.mark.root
 def test_reorder_0_keeps_order_and_installs_no_htb():
     with scratch_testbed(hosts=2, dpus=0, services=False, reorder="0") as tb:
         r = send_numbered(tb)
