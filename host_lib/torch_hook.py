@@ -64,7 +64,7 @@ class DosaHookStats:
     numel: int = 0  #: size of the concatenated gradient
     buckets_per_step: int = 0  #: DDP buckets concatenated into the last dosa round
     densities: list[float] = field(default_factory=list)  #: sent entries / numel, per dosa round
-    residual_resets: int = 0  #: buckets whose layout changed (DDP rebuilds buckets after step 1)
+    residual_remaps: int = 0  #: buckets whose layout changed (DDP rebuilds buckets after step 1)
     dosa_seconds: float = 0.0  #: wall time spent in dosa rounds (encode + allreduce + decode)
     allreduce_seconds: float = 0.0  #: of which waiting for the network round (client.allreduce_sparse)
 
@@ -193,6 +193,7 @@ class DosaHookState:
         self._velocities: dict[int, np.ndarray] = {}  # bucket index -> velocity (momentum > 0)
         self._layouts: dict[int, tuple] = {}  # bucket index -> parameter layout signature
         self._pending: list[tuple[int, torch.Tensor, torch.futures.Future]] = []
+        self._prev: tuple[dict, dict, dict] = ({}, {}, {})
         self._scale_exp: int | None = scale_exp
         self._client_base: dict[str, int] = {}
         # statistics
@@ -253,16 +254,22 @@ class DosaHookState:
         self.close()
 
     def _residual_for(self, bucket: dist.GradBucket, numel: int) -> np.ndarray:
+        """The bucket's residual (and velocity). DDP rebuilds its buckets after the first step
+        (gradient-ready order): a bucket whose parameter layout changed gets its parameters'
+        residual carried over from wherever they were, so nothing sent to the residual is lost."""
         idx = bucket.index()
+        if not self._pending:  # first bucket of a step: the layouts every bucket had before it
+            self._prev = (dict(self._layouts), dict(self._residuals), dict(self._velocities))
         layout = tuple((p.data_ptr(), tuple(p.shape)) for p in bucket.parameters())
         if self._layouts.get(idx) != layout or self._residuals[idx].size != numel:
-            if idx in self._layouts:
-                self.stats.residual_resets += 1
-                log.debug("dosa hook: bucket %d changed layout; its residual starts over", idx)
+            old_layouts, old_res, old_vel = self._prev
+            if old_layouts:
+                self.stats.residual_remaps += 1
+                log.debug("dosa hook: bucket %d changed layout; carrying its residual over", idx)
             self._layouts[idx] = layout
-            self._residuals[idx] = np.zeros(numel, dtype=np.float32)
+            self._residuals[idx] = carry_over(old_layouts, old_res, layout, numel)
             if self.momentum:
-                self._velocities[idx] = np.zeros(numel, dtype=np.float32)
+                self._velocities[idx] = carry_over(old_layouts, old_vel, layout, numel)
         return self._residuals[idx]
 
     def close(self) -> None:
@@ -325,6 +332,31 @@ class DosaHookState:
             raise
         for _, buf, fut in pending:
             fut.set_result(buf)
+
+
+def carry_over(old_layouts: dict, old_arrays: dict, layout: tuple, numel: int) -> np.ndarray:
+    """A per-bucket array (residual or velocity) for a bucket of ``layout`` (a tuple of
+    (data_ptr, shape) per parameter, in bucket order, which is the buffer order), filled from the
+    arrays of the old buckets that held the same parameters; zeros where a parameter is new."""
+    where = {}
+    for b, lay in old_layouts.items():
+        arr = old_arrays.get(b)
+        if arr is None:
+            continue
+        off = 0
+        for key in lay:
+            n = math.prod(key[1])
+            where[key] = (arr, off, n)
+            off += n
+    out = np.zeros(numel, dtype=np.float32)
+    off = 0
+    for key in layout:
+        n = math.prod(key[1])
+        if key in where:
+            arr, o, m = where[key]
+            out[off:off + n] = arr[o:o + m]
+        off += n
+    return out
 
 
 def _dense_allreduce(state: DosaHookState, bucket: dist.GradBucket) -> torch.futures.Future:

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from host_lib import hook_codec  # noqa: E402
-from host_lib.torch_hook import DosaHookState, DosaUnavailableWarning, dosa_hook  # noqa: E402
+from host_lib.torch_hook import DosaHookState, DosaUnavailableWarning, carry_over, dosa_hook  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,6 +55,20 @@ def test_state_accepts_the_edges_and_starts_with_empty_statistics():
     assert s.density == 1.0 and s.stats.steps == 0 and s.stats.as_dict()["mean_density"] == 0.0
     s2 = DosaHookState(density=1e-4, dense_warmup_steps=5, scale_exp=62)
     assert s2.dense_warmup_steps == 5 and not s2.using_fallback
+
+
+def test_a_rebuilt_bucket_layout_carries_every_parameters_residual_over():
+    """DDP rebuilds buckets after step 1: parameters move between bucket indices. Their residual
+    must follow them (A: 2x3, B: 4, C: 5; old buckets {0: [A, B], 1: [C]}, new {0: [C, A], 1: [B]})."""
+    A, B, C = (1, (2, 3)), (2, (4,)), (3, (5,))
+    old_layouts = {0: (A, B), 1: (C,)}
+    old = {0: np.arange(10, dtype=np.float32), 1: np.arange(100, 105, dtype=np.float32)}
+    new0 = carry_over(old_layouts, old, (C, A), 11)
+    new1 = carry_over(old_layouts, old, (B,), 4)
+    np.testing.assert_array_equal(new0, [100, 101, 102, 103, 104, 0, 1, 2, 3, 4, 5])
+    np.testing.assert_array_equal(new1, [6, 7, 8, 9])
+    D = (4, (2,))  # a parameter no old bucket had starts from zero
+    np.testing.assert_array_equal(carry_over(old_layouts, old, (D, B), 6), [0, 0, 6, 7, 8, 9])
 
 
 # --------------------------------------------------------------------------- codec
