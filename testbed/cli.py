@@ -127,6 +127,9 @@ def _print_status(st: dict) -> None:
     print(f"testbed {st['prefix']!r}: {'up' if st['up'] else 'NOT fully up (' + str(st['status']) + ')'}"
           f", {c['hosts']} host(s), {c['dpus']} DPU(s), {c['subnet']}, mode {c['mode']}"
           + (f", hosts on CPUs {c['host_cpus']}, DPUs on CPUs {c['dpu_cpus']}" if c["cpu_split"] else ""))
+    shaping = _shaping_line(c.get("shaping") or {}, c.get("shape_dpus"))
+    if shaping:
+        print(shaping)
     for n in st["nodes"]:
         ifs = "; ".join(f"{i['name']} {','.join(i['addresses'])} {i['mac']}"
                         + (f" qdisc {'+'.join(i['qdiscs'])}" if i["qdiscs"] else "")
@@ -139,6 +142,20 @@ def _print_status(st: dict) -> None:
                       for i in fab["interfaces"]))
     for p in st["processes"]:
         print(f"  {p['name']:10} pid {p['pid']:<7} {'alive' if p['alive'] else 'DEAD'}  log {p['log']}")
+
+
+def _shaping_line(sh: dict, shape_dpus: bool) -> str:
+    """``  links (hosts): rate 1000Mbit/s, loss 1%, reorder 5% (slow lane 50Mbit/s)`` or ''."""
+    from testbed.shaping import Shaping
+    s = Shaping.from_json(sh)
+    parts = [f"rate {s.rate_bps / 1e6:g}Mbit/s"] if s.rate_bps else []
+    parts += [f"delay {s.delay_s * 1e6:g}us"] if s.delay_s else []
+    parts += [f"{k} {v:g}%" for k, v in (("loss", s.loss_pct), ("dup", s.dup_pct)) if v]
+    if s.reorder_pct:
+        lane = f" (slow lane {s.slow_lane_bps() / 1e6:g}Mbit/s)" if s.uses_htb_reorder else ""
+        parts.append(f"reorder {s.reorder_pct:g}%{lane}")
+    return f"  links ({'hosts and DPUs' if shape_dpus else 'hosts'}), per direction: " + \
+        ", ".join(parts) if parts else ""
 
 
 def cmd_down(args) -> int:

@@ -151,7 +151,10 @@ def test_status_json_reports_the_reorder_setting(tmp_path):
         env = {**os.environ, "DOSA_TESTBED_PREFIX": prefix, "DOSA_TESTBED_STATE_DIR": str(tmp_path)}
         p = subprocess.run([sys.executable, "-m", "dosa", "testbed", "status", "--json"], env=env,
                            capture_output=True, text=True, timeout=30)
+        text = subprocess.run([sys.executable, "-m", "dosa", "testbed", "status"], env=env,
+                              capture_output=True, text=True, timeout=30)
     assert p.returncode == 0, p.stderr
+    assert "per direction: reorder 7.5% (slow lane 7.5Mbit/s)" in text.stdout, text.stdout
     st = json.loads(p.stdout)
     assert st["config"]["shaping"]["reorder_pct"] == 7.5
     eth0 = next(i for i in st["nodes"][0]["interfaces"] if i["name"] == "eth0")
