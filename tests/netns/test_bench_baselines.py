@@ -3,7 +3,6 @@ raw packet-rate measurement over a veth pair, and the JSON document ``dosa bench
 Every method's result is checked against the float64 reference sum by every rank."""
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 
@@ -13,33 +12,28 @@ from host_lib.bench import baselines as B
 from host_lib.bench import gradients as G
 from host_lib.bench import limit as L
 from host_lib.bench import report as R
-from host_lib.bench import runner
 
 pytest.importorskip("torch")
 
 
-def _args(**kw):
-    ap = argparse.ArgumentParser()
-    runner.add_arguments(ap)
-    a = ap.parse_args([])
-    for k, v in kw.items():
-        setattr(a, k, v)
-    return a
-
-
 @pytest.mark.timeout(90)  # ~15 s on an idle machine: mostly 3 processes importing torch
-def test_bench_loopback_schema_and_sums(tmp_path):
-    """3 Gloo processes, 10k entries: JSON/PNG written, every method checked against the reference."""
-    args = _args(hosts=[3], numel=10_000, density=0.02, rounds=2, warmup=1, packet_rate_seconds=0,
-                 json=str(tmp_path / "b.json"), plot=str(tmp_path / "b.png"), timeout=80)
-    lines = []
-    doc = runner.run_bench(args, progress=lines.append)
+def test_bench_cli_loopback_schema_and_sums(tmp_path, capsys):
+    """`dosa bench allreduce` without the dosa paths: 3 Gloo processes on loopback, 10k entries;
+    JSON/PNG written, the table printed, every method checked against the reference sum."""
+    from dosa.cli import main
+
+    rc = main(["bench", "allreduce", "--paths", "", "--hosts", "3", "--numel", "10000", "--density",
+               "0.02", "--rounds", "2", "--warmup", "1", "--packet-rate-seconds", "0", "--timeout", "80",
+               "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")])
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-2000:]
+    assert "gloo_sparse_allgather" in out and "overlap" in err  # table on stdout, progress on stderr
     disk = json.loads((tmp_path / "b.json").read_text())
     R.validate(disk)
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
-    assert any("overlap" in ln for ln in lines)  # progress was reported
     run = disk["runs"][0]
     assert run["hosts"] == 3 and set(run["methods"]) == {"gloo_dense", "gloo_sparse_allgather", "limit"}
+    assert set(disk["methods"]) == set(run["methods"])
     assert 0 < run["overlap"]["mean_pairwise_jaccard"] < 1
     for name in B.METHODS:
         rec = run["methods"][name]
@@ -50,7 +44,6 @@ def test_bench_loopback_schema_and_sums(tmp_path):
         assert rec["bytes_per_host"]["sent"] > 0
     assert run["methods"]["gloo_sparse_allgather"]["check_end_to_end"]["ok"]
     assert run["methods"]["gloo_dense"]["bytes_per_host"]["sent"] == round(2 * 2 / 3 * 10_000 * 4)
-    assert set(doc["methods"]) == set(run["methods"])
 
 
 @pytest.mark.root
@@ -84,3 +77,27 @@ def test_baselines_in_testbed_namespaces():
         if wd is not None:
             B._rm_workdir(wd)
     assert not tb.existing_namespaces()
+
+
+@pytest.mark.root
+@pytest.mark.timeout(150)
+def test_bench_cli_with_dosa_xdp(tmp_path, capsys):
+    """The joined command: dosa's XDP path (dpu_fw.bench, its own testbed) beside the baselines on a
+    shaped testbed; every method's result verified, ratios to dosa_xdp present."""
+    from dosa.cli import main
+
+    rc = main(["bench", "allreduce", "--paths", "xdp", "--hosts", "2", "--numel", "20000",
+               "--rounds", "2", "--warmup", "1", "--link-rate", "1gbit", "--testbed",
+               "--testbed-prefix", "tbjoin", "--packet-rate-seconds", "0.3", "--timeout", "100",
+               "--json", str(tmp_path / "j.json")])
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-2000:]
+    doc = json.loads((tmp_path / "j.json").read_text())
+    R.validate(doc)
+    ms = doc["methods"]
+    assert set(ms) == {"dosa_xdp", "gloo_dense", "gloo_sparse_allgather", "limit"}
+    for name in ("dosa_xdp", *B.METHODS):
+        assert ms[name]["check"]["ok"], (name, ms[name]["check"])
+        assert "transport" in ms[name]["ratio_to_dosa_xdp"]
+    assert ms["dosa_xdp"]["ratio_to_dosa_xdp"]["transport"] == 1.0
+    assert ms["limit"]["packet_rate_pps"] > 0
