@@ -9,6 +9,7 @@ import pytest
 
 from dataplane.reasons import VERDICTS, Counter
 from dataplane_harness import HDR_OFF, XDP_DROP, XDP_PASS, random_contribution
+from dosa import wire
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(240)]
 
@@ -55,6 +56,11 @@ def test_fuzzed_frames_are_all_accounted_and_never_corrupt_a_correct_job(h):
     seeds, _ = valid_round(h, rng, fuzzed)
     good_frames, good_ref = valid_round(h, rng, good)
     seeds += [s for s in valid_round(h, rng, fuzzed, 1)[0]]
+    for p in fuzzed.owned_partitions():  # dense blocks too, so mutations reach the dense path
+        lo, hi = fuzzed.bounds(p)
+        hd = wire.Header(type=wire.PacketType.DENSE_DATA, job_id=fuzzed.job_id, worker_id=int(p % 2),
+                         partition=int(p), round=1, seq=0, total=1, flags=int(wire.Flags.LAST), base=int(lo))
+        seeds.append(h.frame(wire.build_packet(hd, rng.integers(-99, 99, min(360, hi - lo))), int(p % 2)))
 
     frames = [mutate(rng, seeds[rng.integers(0, len(seeds))]) for _ in range(N_FUZZ)]
     frames += [rng.integers(0, 256, rng.integers(14, 200), dtype=np.uint8).tobytes() for _ in range(500)]
