@@ -240,13 +240,19 @@ def run_local_ranks(argv: list[str], rank_envs: list[dict], log_dir: Path, timeo
             t.join(timeout=5)
 
 
+def _noise(line: str) -> bool:
+    """torch's own startup warnings (kept in the rank logs, not shown as progress)."""
+    return "socket.cpp" in line or "Setting OMP_NUM_THREADS" in line
+
+
 def _pump(stream, path: Path, echo) -> None:
     with open(path, "wb") as f:
         for line in iter(stream.readline, b""):
             f.write(line)
             f.flush()
-            if echo is not None:
-                echo(line.decode(errors="replace").rstrip("\n"))
+            text = line.decode(errors="replace").rstrip("\n")
+            if echo is not None and not _noise(text):
+                echo(text)
     stream.close()
 
 
@@ -286,7 +292,7 @@ class TestbedCluster:
 
     def run(self, argv: list[str], timeout: float, env: dict | None = None) -> None:
         def echo(line: str):
-            if self.echo is not None and line.startswith("[rank 0] "):
+            if self.echo is not None and line.startswith("[rank 0] ") and not _noise(line):
                 self.echo(line[len("[rank 0] "):])
 
         result = self.tb.run(argv, timeout=timeout, env=env, log_dir=self.workdir / "ranks", echo=echo)
