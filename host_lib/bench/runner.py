@@ -182,7 +182,10 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
                                                testbed=tb, timeout=args.timeout, progress=say))
             if "limit" in args.baselines:
                 idx = [np.load(wd / f"idx{r}.npy") for r in range(world)]
-                traffic = L.dosa_traffic(idx, args.numel, dpus=max(1, args.dpus))
+                mode = getattr(args, "mode", None) or "sum"  # dpu_fw's --mode: the result dosa sends
+                traffic = L.dosa_traffic(idx, args.numel, dpus=max(1, args.dpus), mode=mode,
+                                         density=args.density)
+                traffic["mode"] = mode
                 methods["limit"] = L.link_limit(traffic, args.link_rate, shape_dpus=args.shape_dpus,
                                                 packet_rate=pr["pps"] if pr else None)
             if extra_methods is not None:
