@@ -12,8 +12,8 @@
 //
 // Reordering (section "reorder"): a cls_bpf classifier (direct action) of the HTB qdisc on the
 // egress of both ends of the link (testbed/shaping.py). It sends a random REORDER_THRESH / 2^32 of
-// the UDP-over-IPv4 packets into HTB's slow class (minor REORDER_MINOR), whose small hard rate holds
-// them while later packets pass through the fast default class. Everything else (ARP, TCP, ...)
+// the UDP-over-IPv4 packets into HTB's slow class (minor REORDER_MINOR), whose small hard rate
+// holds them while later packets pass through the fast default class. Everything else (ARP, TCP, ...)
 // keeps its order: the control plane's TCP and neighbour resolution are not what is tested.
 #include <linux/bpf.h>
 #include <linux/if_ether.h>

@@ -1,5 +1,5 @@
-"""Compile and attach testbed/impair.c (random loss / duplication, the reorder classifier), install a
-link's egress qdiscs, and probe for netem.
+"""Compile and attach testbed/impair.c (random loss / duplication, the reorder classifier),
+install a link's egress qdiscs, and probe for netem.
 
 The object is compiled once per ``up`` with the probabilities as constants (clang, ~0.2 s) and
 loaded by ``tc`` itself; the kernel keeps the program alive as long as the filter exists, and the

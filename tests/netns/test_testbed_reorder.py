@@ -72,6 +72,41 @@ def send_numbered(tb, count: int = COUNT) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+TCP_SERVER = r"""
+import socket, sys
+s = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("ready", flush=True)
+c, _ = s.accept(); c.settimeout(20)
+n = 0
+while chunk := c.recv(65536):
+    n += len(chunk)
+print(n)
+"""
+TCP_CLIENT = r"""
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=20)
+c.sendall(b"t" * int(sys.argv[3])); c.close()
+"""
+
+
+def send_tcp(tb, size: int) -> int:
+    """h0 sends ``size`` bytes over TCP to h1; returns the bytes h1 received."""
+    dst = tb.status()["nodes"][1]["address"]
+    srv = tb.popen_in("h1", [sys.executable, "-c", TCP_SERVER, dst, str(PORT)],
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert srv.stdout.readline().strip() == "ready", srv.stderr.read()
+        tb.exec_in("h0", [sys.executable, "-c", TCP_CLIENT, dst, str(PORT), str(size)],
+                   check=True, timeout=30)
+        out, err = srv.communicate(timeout=30)
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+            srv.wait()
+    assert srv.returncode == 0, err
+    return int(out.strip())
+
+
 def htb_classes(tb, node: str, dev: str) -> dict[str, dict]:
     """``tc -s class show`` of ``dev`` (no JSON for HTB classes in this iproute2), parsed into
     {classid: {"rate": "40Mbit", "ceil": ..., "packets": N}}."""
@@ -107,15 +142,20 @@ def test_reorder_20_percent_delivers_some_udp_late_and_loses_none():
 
 
 @pytest.mark.root
-def test_reorder_100_picks_exactly_the_udp_packets_never_arp():
-    """Every UDP datagram and nothing else goes to the slow lane (ARP resolution of h1 passed
-    through the fast one), and one FIFO lane keeps its packets in order."""
+def test_reorder_100_picks_exactly_the_udp_packets_never_arp_or_tcp():
+    """Every UDP datagram and nothing else goes to the slow lane (ARP resolution of h1 and a TCP
+    connection pass through the fast one), and one FIFO lane keeps its packets in order."""
     with scratch_testbed(hosts=2, dpus=0, services=False, reorder="100") as tb:
         r = send_numbered(tb, 500)
         classes = htb_classes(tb, "h0", "eth0")
+        tcp_bytes = send_tcp(tb, 200_000)
+        after_tcp = htb_classes(tb, "h0", "eth0")
     assert r == {"received": 500, "unique": 500, "late": 0}
     assert classes["1:20"]["packets"] == 500, classes
     assert classes["1:10"]["packets"] >= 1, classes  # the ARP request
+    assert tcp_bytes == 200_000
+    assert after_tcp["1:20"]["packets"] == 500, after_tcp  # TCP stayed in the fast lane
+    assert after_tcp["1:10"]["packets"] > classes["1:10"]["packets"], after_tcp
 
 
 @pytest.mark.root
@@ -186,7 +226,8 @@ def test_htb_layout_keeps_the_link_rate_and_sizes_the_slow_lane():
     assert cmds[0][:8] == ["qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "htb"]
     parent, fast, slow = cmds[1], cmds[2], cmds[3]
     assert parent[parent.index("rate") + 1] == parent[parent.index("ceil") + 1] == "1000000000bit"
-    assert fast[fast.index("rate") + 1] == "950000000bit" and fast[fast.index("ceil") + 1] == "1000000000bit"
+    assert fast[fast.index("rate") + 1] == "950000000bit"
+    assert fast[fast.index("ceil") + 1] == "1000000000bit"
     assert slow[slow.index("rate") + 1] == slow[slow.index("ceil") + 1] == "50000000bit"
     assert s.impair_defines()["REORDER_THRESH"] == f"{round(0.05 * 2**32)}ULL"
     # unshaped: sized for UNSHAPED_REF_BPS, never below SLOW_MIN_BPS
