@@ -95,12 +95,11 @@ class Shaping:
 
     @classmethod
     def parse(cls, rate=None, delay=None, loss=None, dup=None, reorder=None) -> "Shaping":
-        s = cls(rate_bps=parse_rate(rate) if rate else None,
-                delay_s=parse_delay(delay) if delay else 0.0,
-                loss_pct=parse_percent("--loss", loss) if loss is not None else 0.0,
-                dup_pct=parse_percent("--dup", dup) if dup is not None else 0.0,
-                reorder_pct=parse_percent("--reorder", reorder) if reorder is not None else 0.0)
-        return s
+        return cls(rate_bps=parse_rate(rate) if rate else None,
+                   delay_s=parse_delay(delay) if delay else 0.0,
+                   loss_pct=parse_percent("--loss", loss) if loss is not None else 0.0,
+                   dup_pct=parse_percent("--dup", dup) if dup is not None else 0.0,
+                   reorder_pct=parse_percent("--reorder", reorder) if reorder is not None else 0.0)
 
     @property
     def active(self) -> bool:

@@ -239,3 +239,4 @@ def test_htb_layout_keeps_the_link_rate_and_sizes_the_slow_lane():
     assert d.netem_args() == ["delay", "1000us", "reorder", "5%"]
     assert "REORDER_THRESH" not in d.impair_defines() and not d.uses_htb_reorder
     assert Shaping.parse(reorder="0").qdisc_commands("eth0") == []
+    assert Shaping.parse(reorder=20) == Shaping.parse(reorder="20%") == Shaping(reorder_pct=20.0)
