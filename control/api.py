@@ -106,7 +106,8 @@ class ControlService:
     when the DPU merges in user space (then only the registry is kept)."""
 
     def __init__(self, controller=None, address: str = "127.0.0.1", data_port: int = wire.DEFAULT_PORT,
-                 control_port: int = DEFAULT_CONTROL_PORT, peer_timeout: float = 5.0):
+                 control_port: int = DEFAULT_CONTROL_PORT, peer_timeout: float = 5.0,
+                 state_path: str | None = None):
         self.controller = controller
         self.address = address
         self.data_port = data_port
@@ -114,6 +115,39 @@ class ControlService:
         self.peer_timeout = peer_timeout
         self.jobs: dict[int, Job] = {}
         self._cv = threading.Condition()
+        self.state_path = state_path
+        self._load()
+
+    # ----------------------------------------------------------------------------- persistence
+    def _load(self) -> None:
+        """Re-read the registry a previous server of this DPU saved, keeping only jobs the local
+        dataplane still has (a restarted server must not 404 on, or re-create, a live job)."""
+        if not self.state_path or not os.path.exists(self.state_path):
+            return
+        try:
+            with open(self.state_path) as f:
+                saved = json.load(f)
+            for d in saved.get("jobs", []):
+                members = {int(w): tuple(m) for w, m in d.pop("members", {}).items()}
+                job = Job(**{**d, "dpus": [tuple(x) for x in d["dpus"]]}, members=members)
+                if self.controller is not None and self._my_index(job) is not None \
+                        and self.controller.maps.job_info(job.job_id) is None:
+                    continue
+                self.jobs[job.job_id] = job
+        except (OSError, ValueError, TypeError, KeyError):
+            self.jobs = {}  # unreadable: start empty rather than refuse to serve
+
+    def _save(self) -> None:
+        if not self.state_path:
+            return
+        data = {"jobs": [{**{k: v for k, v in j.__dict__.items() if k != "members"},
+                          "members": {str(w): list(m) for w, m in j.members.items()}}
+                         for j in self.jobs.values()]}
+        tmp = self.state_path + ".tmp"
+        os.makedirs(os.path.dirname(self.state_path) or ".", exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self.state_path)
 
     # ------------------------------------------------------------------------- shape of a new job
     def _parse_job(self, req: dict, port_field: str = "job_port") -> Job:
@@ -208,6 +242,7 @@ class ControlService:
                 raise ApiError(409, f"job {job.job_id} already exists")
             self._install_job(job)
             self.jobs[job.job_id] = job
+            self._save()
             return job.view()
 
     def join(self, req: dict) -> dict:
@@ -248,6 +283,7 @@ class ControlService:
             flow = {"job_id": job_id, "worker_id": wid, "address": address, "port": port}
             self._on_all_dpus(job, lambda i: self.local_install_flow(flow), "POST", "/v1/local/flows", flow)
             job.members[wid] = (address, port)
+            self._save()
             self._cv.notify_all()
             deadline = time.monotonic() + wait
             while wait and len(job.members) < job.workers:
@@ -269,6 +305,7 @@ class ControlService:
             self._on_all_dpus(job, lambda i: self.local_remove_flow(job_id, wid), "DELETE",
                               f"/v1/local/flows/{job_id}/{wid}", None)
             del job.members[wid]
+            self._save()
             return job.view()
 
     def _job(self, job_id: int) -> Job:
@@ -291,6 +328,7 @@ class ControlService:
             self._on_all_dpus(job, lambda i: self.local_remove_job(job_id), "DELETE",
                               f"/v1/local/jobs/{job_id}", None)
             del self.jobs[job_id]
+            self._save()
             return {"removed": job_id}
 
     def stats(self) -> dict:

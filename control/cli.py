@@ -217,7 +217,10 @@ def cmd_serve(args) -> int:
                    config=LoadConfig(pool_slots=args.pool_slots))
     listen = args.listen or (args.addr, DEFAULT_CONTROL_PORT)
     try:
-        service = ControlService(ctl, address=args.addr, data_port=args.port, control_port=listen[1])
+        tag = _instance(args).strip("/").replace("/", "_")
+        state = f"/run/dosa/{tag}-api.json"  # the registry survives a restart of this server
+        service = ControlService(ctl, address=args.addr, data_port=args.port, control_port=listen[1],
+                                 state_path=state)
         server = ControlServer(service, listen[0], listen[1])
 
         def stop(signum, frame):
@@ -239,4 +242,10 @@ def cmd_serve(args) -> int:
             except DosaError as e:
                 print(f"dosa: {e}", file=sys.stderr)
             ctl.close()
+        if not args.keep_state:
+            import contextlib
+            import os
+
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/run/dosa/{_instance(args).strip('/').replace('/', '_')}-api.json")
     return 0

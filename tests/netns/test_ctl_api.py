@@ -147,3 +147,20 @@ def test_leave_and_delete_remove_flows_and_jobs_everywhere(api):
     assert all(c.jobs() == [] and c.workers() == {} for c in ctls)
     st, resp = _call(url, "GET", "/v1/stats")
     assert st == 200 and "bad_source" in resp["drops"]
+
+
+def test_a_restarted_server_keeps_its_registry(api, tmp_path):
+    """The registry is saved on every change: a server restarted after a crash answers for the jobs
+    still installed in its dataplane (and forgets those that are not)."""
+    from control.api import ControlService
+
+    ctls, _ = api
+    state = str(tmp_path / "api.json")
+    s1 = ControlService(ctls[0], address=ADDRS[0], state_path=state)
+    s1.join({"job_id": 90, "address": "10.6.0.1", "numel": 100, "workers": 2, "dpus": [ADDRS[0]]})
+    s1.join({"job_id": 91, "address": "10.6.0.1", "numel": 100, "workers": 1, "dpus": [ADDRS[0]]})
+    ctls[0].remove_job(91)  # gone from the dataplane while the server was down
+    s2 = ControlService(ctls[0], address=ADDRS[0], state_path=state)
+    assert sorted(s2.jobs) == [90]
+    v = s2.join({"job_id": 90, "address": "10.6.0.2"})
+    assert v["complete"] and [h["address"] for h in v["hosts"]] == ["10.6.0.1", "10.6.0.2"]
