@@ -53,6 +53,7 @@ class DemoConfig:
     backend: str = "auto"
     offload: bool = False
     timeout: float = 900.0
+    mode: str = "sum"
     testbed_prefix: str = "dosademo"
     extra_train_args: list[str] = field(default_factory=list)
 
@@ -67,6 +68,8 @@ class DemoConfig:
             raise DosaError("--epochs, --batch-size and --hidden must be >= 1, --warmup-steps >= 0")
         if self.backend not in BACKENDS:
             raise DosaError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.mode not in ("sum", "gtopk"):
+            raise DosaError(f"--mode must be sum or gtopk, got {self.mode!r}")
         if not self.timeout > 0:
             raise DosaError(f"--timeout must be positive, got {self.timeout}")
 
@@ -82,6 +85,7 @@ class DemoConfig:
                 "--batch-size", str(self.batch_size), "--warmup-steps", str(self.warmup_steps),
                 "--hidden", str(self.hidden), "--seed", str(self.seed), "--json", json_path,
                 *(["--partition-size", str(self.partition_size)] if self.dpus > 1 else []),
+                *(["--mode", self.mode] if self.mode != "sum" else []),
                 *self.extra_train_args]
 
     @property
@@ -132,7 +136,7 @@ class LoopbackCluster:
 
     def __init__(self, hosts: int, dpus: int, numel: int, workdir: str | os.PathLike,
                  density: float = 0.01, job_id: int = 1, echo: Callable[[str], None] | None = print,
-                 partition_size: int | None = None):
+                 partition_size: int | None = None, mode: str = "sum"):
         from host_lib.transport import JobConfig
 
         self.hosts, self.dpus = hosts, dpus
@@ -140,7 +144,7 @@ class LoopbackCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.echo = echo
         extra = {"partition_size": partition_size} if partition_size else {}
-        self.job = JobConfig(job_id=job_id, numel=numel, density=density, **extra,
+        self.job = JobConfig(job_id=job_id, numel=numel, density=density, mode=mode, **extra,
                              hosts=[("127.0.0.1", free_port()) for _ in range(hosts)],
                              dpus=[("127.0.0.1", free_port()) for _ in range(dpus)])
         self.job_path = self.workdir / "job.json"
@@ -407,7 +411,7 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     backend, why = choose_backend(cfg.backend)
-    echo(f"dosa demo: {cfg.hosts} hosts, {cfg.dpus} DPU(s), density {cfg.density:g}, "
+    echo(f"dosa demo: {cfg.hosts} hosts, {cfg.dpus} DPU(s), density {cfg.density:g}, {cfg.mode} mode, "
          f"{cfg.epochs} epochs, MLP with {cfg.numel} parameters on scikit-learn digits; "
          f"backend {backend} ({why})")
     workdir = Path(tempfile.mkdtemp(prefix="dosa-demo-", dir=out))
@@ -417,7 +421,7 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
         cluster = TestbedCluster(cfg.hosts, cfg.dpus, workdir, echo, prefix=cfg.testbed_prefix)
     else:
         cluster = LoopbackCluster(cfg.hosts, cfg.dpus, cfg.numel, workdir, cfg.density, echo=echo,
-                                  partition_size=cfg.partition_size)
+                                  partition_size=cfg.partition_size, mode=cfg.mode)
     echo("bringing up " + ("the testbed" if backend == "testbed" else "userspace DPU worker(s) on loopback"))
     with cluster:
         echo("training: dosa run first, then dense Gloo (same seed, data, initial weights)")

@@ -14,6 +14,8 @@ def register(sub) -> None:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8, help="per host")
     p.add_argument("--warmup-steps", type=int, default=0, help="dense steps before dosa takes over")
+    p.add_argument("--mode", choices=("sum", "gtopk"), default="sum",
+                   help="DPU result mode: exact sums (default) or only the k largest per partition")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/demo", help="directory for demo.json and loss.png")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
@@ -30,7 +32,8 @@ def cmd_demo(args) -> int:
 
     cfg = DemoConfig(hosts=args.hosts, dpus=args.dpus, density=args.density, epochs=args.epochs,
                      batch_size=args.batch_size, warmup_steps=args.warmup_steps, seed=args.seed,
-                     out=args.out, backend=args.backend, offload=args.offload, timeout=args.timeout)
+                     out=args.out, backend=args.backend, mode=args.mode, offload=args.offload,
+                     timeout=args.timeout)
     summary = run_demo(cfg, echo=(lambda line: None) if args.json else print)
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "runs"}

@@ -89,6 +89,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--partition-size", type=int, default=None,
                    help="dosa job partition size (control plane jobs; smaller spreads over more DPUs)")
+    p.add_argument("--mode", choices=["sum", "gtopk"], default=None,
+                   help="dosa job result mode (control plane jobs): exact sums, or per partition only "
+                        "the k largest sums (what did not come back returns to the residual)")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="DDP bucket size (default DDP's 25 MB: this model fits one bucket)")
     p.add_argument("--json", metavar="PATH", help="write the summary here ({rank} -> rank)")
@@ -116,6 +119,17 @@ def _init_process_group() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def _job_options(args) -> dict | None:
+    """Job shape for a job created through the control plane (ignored with DOSA_JOB_CONFIG)."""
+    opts = {}
+    if args.partition_size:
+        opts["partition_size"] = args.partition_size
+    if args.mode:
+        opts["mode"] = args.mode
+        opts["density"] = args.density  # gtopk: k = ceil(density * partition length) per partition
+    return opts or None
+
+
 def ring_allreduce_bytes(model_bytes: int, world: int) -> float:
     """Bytes one host sends (and as many it receives) in a ring allreduce of ``model_bytes``."""
     return 2 * (world - 1) / world * model_bytes if world > 1 else 0.0
@@ -132,8 +146,7 @@ def train_one(comm: str, args, rank: int, world: int, data, progress: bool) -> d
         from host_lib.torch_hook import DosaHookState, dosa_hook
         state = DosaHookState(density=args.density, dense_warmup_steps=args.warmup_steps,
                               momentum=args.momentum if args.hook_momentum else 0.0,
-                              job_options={"partition_size": args.partition_size}
-                              if args.partition_size else None)
+                              job_options=_job_options(args))
         model.register_comm_hook(state, dosa_hook)
     hook_has_momentum = state is not None and state.momentum > 0
     opt = torch.optim.SGD(model.parameters(), lr=args.lr,
