@@ -200,6 +200,20 @@ static __always_inline int claim(struct dosa_hdr *h, struct merge_ctx *mc)
 			return DOSA_C_PASS_DUP_OF_COMPLETE;
 		return DOSA_C_DUPLICATE;
 	}
+	/* A late copy of round base-1 that passed the window check just before the DPU worker's
+	 * advance() moved base_round and zeroed this parity would have claimed a seq in the zeroed
+	 * state of round base+1. advance() stores base_round before it clears, so re-reading it
+	 * here (after the full barrier of the atomic above) catches exactly that case: undo what
+	 * this packet set and drop it. Round base+1 cannot have started yet (its hosts wait for the
+	 * result the worker sends after advance() returns), so the undo races with nobody. */
+	if (mc->round < *(volatile u32 *)&ps->base_round) {
+		__sync_fetch_and_and(&ws->seen[(seq >> 6) & 3], ~bit);
+		if (old_total == 0)
+			__sync_val_compare_and_swap(&ws->total, total, 0);
+		if (old_tag == 0)
+			__sync_val_compare_and_swap(&ps->scale_tag[mc->parity & 1], tag, 0);
+		return DOSA_C_ROUND_TOO_OLD;
+	}
 	return -1;
 }
 

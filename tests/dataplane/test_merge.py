@@ -157,3 +157,38 @@ def test_dense_blocks_and_sparse_entries_mix_in_one_contribution(h):
     assert h.maps.poll_completions(0) == [Completion(j.job_id, 0, 0, 0)]
     assert np.array_equal(h.maps.buffer(j.job_id, 0, 0), ref)
     assert h.counters()[Counter.MERGED_ENTRIES] == 2 * (700 + 150)
+
+
+def test_rounds_stay_exact_while_late_duplicates_race_advance(h):
+    """A background thread replays the previous round's packets (late duplicates) through the
+    program, on the other CPU, while rounds complete and advance() clears parities: every round's
+    sums stay exact and each completes exactly once (the re-check of base_round after the claim
+    drops a stale packet that slipped past the window check)."""
+    import threading
+
+    rng = np.random.default_rng(8)
+    j = h.job(workers=2, numel=256, partition_size=256)
+    stop = threading.Event()
+    stale: list[bytes] = []
+
+    def replay():
+        while not stop.is_set():
+            for f in list(stale):
+                h.run(f)
+
+    t = threading.Thread(target=replay)
+    t.start()
+    try:
+        for r in range(40):
+            frames, ref = contributions(h, rng, j, r, per_packet=20)
+            h.run_all(frames[0])
+            comps = h.maps.poll_completions(0)
+            assert comps == [Completion(j.job_id, 0, r, 0)], (r, comps)
+            assert np.array_equal(h.maps.buffer(j.job_id, 0, r), ref[0]), r
+            h.maps.advance(j.job_id, 0, r)
+            stale[:] = frames[0]  # from now on round r's packets are late copies
+    finally:
+        stop.set()
+        t.join()
+    c = h.counters()
+    assert c[Counter.COMPLETIONS] == 40 and c[Counter.INTERNAL] == 0
