@@ -448,8 +448,12 @@ class OffloadServices:
                 self._logs[name] = tempfile.TemporaryFile(prefix=f"dosa-offload-{name}-")
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                     filter(None, [str(_REPO_ROOT), os.environ.get("PYTHONPATH")])))
+                # A session of their own: like a DPU's processes they are not the host's (no
+                # terminal signals), and with the kernel's autogroup scheduling they get their own
+                # CPU share instead of splitting the host process's share between two CPUs.
                 self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                                    stderr=self._logs[name], env=env, bufsize=0)
+                                                    stderr=self._logs[name], env=env, bufsize=0,
+                                                    start_new_session=True)
             for name in self.procs:  # both start (import, load data) in parallel
                 self.addresses[name] = self._wait_ready(name)
         except BaseException:

@@ -45,6 +45,9 @@ def _renice(pid: int, niceness: int) -> None:
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
             os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+        if os.path.exists(f"/proc/{pid}/autogroup"):  # with autogroups, nice only works within one
+            with open(f"/proc/{pid}/autogroup", "w") as f:
+                f.write(str(niceness))
     except PermissionError:
         raise DosaError("--nice below 0 needs root (CAP_SYS_NICE)") from None
 
