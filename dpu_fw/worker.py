@@ -26,8 +26,8 @@ import numpy as np
 
 from dosa import wire
 from dosa.errors import DosaError
-from dosa.wire import Flags, PacketBatch, PacketType
-from host_lib.packetizer import packetize_partition_result, parse_batch
+from dosa.wire import HEADER_DTYPE, Flags, PacketBatch, PacketType
+from host_lib.packetizer import packetize_partition_result, packetize_results, parse_batch
 from host_lib.transport import JobConfig, UdpEndpoint, addr_arrays
 
 from . import _merge
@@ -38,14 +38,7 @@ MODES = ("userspace", "xdp")
 #: Seconds during which a whole result is not sent to the same host again (see JobRuntime.answer):
 #: right after the fan-out the result is still on its way, and a host that asked before it arrived
 #: would otherwise double the DPU's send load exactly when it is busiest.
-ANSWER_GUARD = 0.25
-
-
-def status_packet(job_id: int, partition: int, rnd: int, missing: list[int]) -> PacketBatch:
-    """A STATUS packet naming the workers a (round, partition) still waits for."""
-    h = wire.Header(type=PacketType.STATUS, job_id=job_id, worker_id=wire.DPU_SENDER_ID,
-                    partition=partition, round=rnd, seq=0, total=1)
-    return PacketBatch.from_packets([wire.build_packet(h, np.asarray(missing, np.uint32))])
+ANSWER_GUARD = 0.1
 
 
 class JobRuntime:
@@ -62,6 +55,7 @@ class JobRuntime:
         self.lo = self.owned * pmap.partition_size
         self.hi = np.minimum(self.lo + pmap.partition_size, pmap.numel)
         self.k = job.gtopk_k(self.hi - self.lo)
+        self.pmap = pmap
         self.host_ip, self.host_port = addr_arrays(job.hosts)
         self.backend = backend
         self.shadow: dict[tuple[int, int], tuple[PacketBatch, np.ndarray]] = {}
@@ -69,11 +63,8 @@ class JobRuntime:
         self._answered: dict[tuple[int, int, int], float] = {}
         self._emitted: dict[tuple[int, int], float] = {}
 
-    def result(self, lp: int, rnd: int) -> PacketBatch:
-        """The result packets of (lp, rnd): from the shadow cache, or built from the buffer."""
-        hit = self.shadow.get((lp, rnd))
-        if hit is not None:
-            return hit[0]
+    def _sums(self, lp: int, rnd: int):
+        """(indices, sums to send, all non-zero indices) of (lp, rnd) from its buffer."""
         buf = self.backend.buffer(lp, rnd)
         idx, sums, nsat = _merge.extract_nonzero(buf, int(self.lo[lp]))
         if nsat:
@@ -81,15 +72,55 @@ class JobRuntime:
             log.error("job %d partition %d round %d: %d sums outside s32 were saturated (hosts "
                       "exceeded the clip bound)", self.job.job_id, self.owned[lp], rnd, nsat)
         nz = idx
-        flags = 0
         if self.job.mode == "gtopk":
             idx, sums = top_k_abs(idx, sums, int(self.k[lp]))
-            flags = int(Flags.GTOPK)
+        return idx, sums, nz
+
+    def _flags(self) -> int:
+        return int(Flags.GTOPK) if self.job.mode == "gtopk" else 0
+
+    def result(self, lp: int, rnd: int) -> PacketBatch:
+        """The result packets of (lp, rnd): from the shadow cache, or built from the buffer."""
+        hit = self.shadow.get((lp, rnd))
+        if hit is not None:
+            return hit[0]
+        idx, sums, nz = self._sums(lp, rnd)
         batch = packetize_partition_result(
             idx, sums, job_id=self.job.job_id, partition=int(self.owned[lp]), round=rnd,
-            scale_exp=self.backend.scale_exp(lp, rnd), flags=flags)
+            scale_exp=self.backend.scale_exp(lp, rnd), flags=self._flags())
         self.shadow[(lp, rnd)] = (batch, nz)
         return batch
+
+    def complete_many(self, comps: list[tuple[int, int]], ep: UdpEndpoint) -> None:
+        """Completions of (local partition, round), in order: advance each where due, then build
+        the results of all of them with one vectorized packetization per (round, scale) and send
+        every packet to every host with one sendmmsg."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for lp, rnd in comps:
+            self._settle(lp, rnd)
+            groups.setdefault((rnd, self.backend.scale_exp(lp, rnd)), []).append(lp)
+        now = time.monotonic()
+        for (rnd, scale), lps in groups.items():
+            lps = sorted(set(lps))
+            parts = self.owned[lps]
+            got = [self._sums(lp, rnd) for lp in lps]
+            idx = np.concatenate([g[0] for g in got])
+            sums = np.concatenate([g[1] for g in got])
+            batch = packetize_results(idx, sums, self.pmap, job_id=self.job.job_id, round=rnd,
+                                      scale_exp=scale, flags=self._flags(), partitions=parts)
+            hp = batch.headers()["partition"].astype(np.int64)
+            starts = np.searchsorted(hp, parts, "left")
+            ends = np.searchsorted(hp, parts, "right")
+            for k, lp in enumerate(lps):
+                sl = slice(int(starts[k]), int(ends[k]))
+                self.shadow[(lp, rnd)] = (PacketBatch(batch.data[sl], batch.lengths[sl], batch.dest[sl]),
+                                          got[k][2])
+                self._emitted[(lp, rnd)] = now
+            if len(self._emitted) > 65536:
+                self._emitted = {k: v for k, v in self._emitted.items() if now - v < ANSWER_GUARD}
+            n, h = len(batch), len(self.host_ip)
+            rows = np.repeat(np.arange(n), h)  # packet-major: each packet to every host in turn
+            ep.send(batch, rows, np.tile(self.host_ip, n), np.tile(self.host_port, n))
 
     def _settle(self, lp: int, rnd: int) -> None:
         """Before round ``rnd``'s result goes out: if it is base_round + 1, every host has moved past
@@ -98,27 +129,29 @@ class JobRuntime:
         if rnd == self.backend.base_round(lp) + 1:
             old = self.shadow.pop((lp, rnd - 1), None)
             self.backend.advance(lp, rnd, None if old is None else old[1])
-            for key in [k for k in self.shadow if k[0] == lp and k[1] < rnd]:
-                del self.shadow[key]
+            self.shadow.pop((lp, rnd - 2), None)
 
     def complete(self, lp: int, rnd: int, ep: UdpEndpoint) -> None:
         """Round ``rnd`` of local partition ``lp`` completed: advance if it was base+1, then emit."""
-        self._settle(lp, rnd)
-        batch = self.result(lp, rnd)
-        if len(self._emitted) > 65536:
-            self._emitted.clear()
-        self._emitted[(lp, rnd)] = time.monotonic()
-        n, h = len(batch), len(self.host_ip)
-        rows = np.repeat(np.arange(n), h)  # packet-major: each packet to every host in turn
-        ep.send(batch, rows, np.tile(self.host_ip, n), np.tile(self.host_port, n))
+        self.complete_many([(lp, rnd)], ep)
 
-    def answer(self, lp: int, rnd: int, worker: int, ep: UdpEndpoint, seqs=None) -> str:
+    def answer(self, lp: int, rnd: int, worker: int, ep: UdpEndpoint, seqs=None,
+               statuses: list | None = None) -> str:
         """Resend (some of) a complete round's result to one host, or tell it who is missing.
 
-        A whole result goes to the same host at most every ANSWER_GUARD s: a host that resends all
-        its data packets of a partition triggers one answer, not one per packet."""
+        A whole result goes to the same host at most every ANSWER_GUARD s, counted from the
+        fan-out too: a host that resends all its data packets of a partition triggers one answer,
+        not one per packet, and an ask that crossed the fan-out is not answered twice."""
         if not self.backend.in_window(lp, rnd):
             return "retx_too_old"
+        p = int(self.owned[lp])
+        if not self.backend.is_complete(lp, rnd):
+            item = (p, rnd, worker, self.backend.missing_workers(lp, rnd))
+            if statuses is not None:
+                statuses.append(item)  # the caller sends them all in one batch
+            else:
+                self.send_statuses([item], ep)
+            return "status_sent"
         if seqs is None or not len(seqs):
             now = time.monotonic()
             key = (lp, rnd, worker)
@@ -127,11 +160,6 @@ class JobRuntime:
             if len(self._answered) > 65536:
                 self._answered.clear()
             self._answered[key] = now
-        p = int(self.owned[lp])
-        if not self.backend.is_complete(lp, rnd):
-            st = status_packet(self.job.job_id, p, rnd, self.backend.missing_workers(lp, rnd))
-            ep.send(st, [0], self.host_ip[[worker]], self.host_port[[worker]])
-            return "status_sent"
         self._settle(lp, rnd)
         batch = self.result(lp, rnd)
         rows = np.arange(len(batch))
@@ -142,6 +170,26 @@ class JobRuntime:
             ep.send(batch, rows, np.full(len(rows), self.host_ip[worker]),
                     np.full(len(rows), self.host_port[worker]))
         return "retx_answered"
+
+
+    def send_statuses(self, items: list, ep: UdpEndpoint) -> None:
+        """STATUS packets for [(partition, round, worker, missing workers)], one sendmmsg."""
+        n = len(items)
+        b = PacketBatch.empty(n)
+        h = b.data.view(HEADER_DTYPE)[:, 0]
+        h["magic"], h["version"], h["type"] = wire.MAGIC, wire.VERSION, PacketType.STATUS
+        h["job_id"], h["worker_id"], h["total"] = self.job.job_id, wire.DPU_SENDER_ID, 1
+        h["partition"] = [it[0] for it in items]
+        h["round"] = [it[1] for it in items]
+        counts = np.array([len(it[3]) for it in items], np.int64)
+        h["count"] = counts
+        b.lengths[:] = wire.HDR_LEN + wire.STATUS_ENTRY_LEN * counts
+        for i, it in enumerate(items):
+            if it[3]:
+                b.data[i, wire.HDR_LEN:wire.HDR_LEN + 4 * len(it[3])] = \
+                    np.asarray(it[3], ">u4").view(np.uint8)
+        w = np.array([it[2] for it in items], np.int64)
+        ep.send(b, np.arange(n), self.host_ip[w], self.host_port[w])
 
 
 class DpuWorker:
@@ -237,23 +285,33 @@ class DpuWorker:
     def step(self, timeout: float) -> None:
         self._discover()
         if self.maps is not None:
-            for c in self.maps.poll_completions(0):
-                self._on_completion(c.job_id, c.partition, c.round)
+            comps = self.maps.poll_completions(0)
+            if comps:
+                self._on_completions(comps)
             timeout = min(timeout, 0.002)
         batch, src_ip, src_port = self.ep.recv(timeout)
         if len(batch):
             self.handle(batch, src_ip, src_port)
 
-    def _on_completion(self, job_id: int, partition: int, rnd: int) -> None:
-        rt = self.jobs.get(job_id)
-        if rt is None:
-            self._discover(urgent=True)
+    def _on_completions(self, comps) -> None:
+        """Completion events from the dataplane, grouped by job and handled in arrival order."""
+        by_job: dict[int, list] = {}
+        for c in comps:
+            by_job.setdefault(c.job_id, []).append(c)
+        for job_id, cs in by_job.items():
             rt = self.jobs.get(job_id)
-        if rt is None or not 0 <= partition < len(rt.local_of) or rt.local_of[partition] < 0:
-            self.stats["completion_unknown"] += 1
-            return
-        rt.complete(int(rt.local_of[partition]), int(rnd), self.ep)
-        self.stats["completions"] += 1
+            if rt is None:
+                self._discover(urgent=True)
+                rt = self.jobs.get(job_id)
+            if rt is None:
+                self.stats["completion_unknown"] += len(cs)
+                continue
+            ok = [(int(rt.local_of[c.partition]), int(c.round)) for c in cs
+                  if 0 <= c.partition < len(rt.local_of) and rt.local_of[c.partition] >= 0]
+            self.stats["completion_unknown"] += len(cs) - len(ok)
+            if ok:
+                rt.complete_many(ok, self.ep)
+                self.stats["completions"] += len(ok)
 
     # ------------------------------------------------------------------ one received batch
     def handle(self, batch: PacketBatch, src_ip: np.ndarray, src_port: np.ndarray) -> None:
@@ -303,9 +361,9 @@ class DpuWorker:
                     h["scale_exp"][d], parsed.indices, parsed.values, parsed.offsets[sel[d]])
                 for v, n in zip(*np.unique(verdict, return_counts=True)):
                     self.stats[VERDICTS[int(v)]] += int(n)
-                for clp, cr in comps:
-                    rt.complete(clp, cr, self.ep)
-                    self.stats["completions"] += 1
+                if comps:
+                    rt.complete_many(comps, self.ep)
+                    self.stats["completions"] += len(comps)
                 dup = d[verdict == DUP_OF_COMPLETE]
             else:
                 dup = d  # XDP passes only duplicates of a complete round to the socket
@@ -315,11 +373,14 @@ class DpuWorker:
                 key = np.unique(np.stack([lp[dup], rnd[dup], w[dup]], 1), axis=0)
                 for klp, kr, kw in key.tolist():
                     self.stats[rt.answer(klp, kr, kw, self.ep)] += 1
+        statuses: list = []
         for i in np.flatnonzero(retx).tolist():
             j = sel[i]
             seqs = parsed.indices[parsed.offsets[j]:parsed.offsets[j + 1]]
             self.stats["retx_request"] += 1
-            self.stats[rt.answer(int(lp[i]), int(rnd[i]), int(w[i]), self.ep, seqs)] += 1
+            self.stats[rt.answer(int(lp[i]), int(rnd[i]), int(w[i]), self.ep, seqs, statuses)] += 1
+        if statuses:
+            rt.send_statuses(statuses, self.ep)
 
     def close(self) -> None:
         self.ep.close()

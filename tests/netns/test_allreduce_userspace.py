@@ -31,7 +31,7 @@ def lab_factory(netns_factory):
 
 def assert_all_exact(results, rounds, lab):
     for r in results:
-        assert "error" not in r, f"host {r.get('worker')}: {r.get('error')}\n{lab.logs()}"
+        assert "error" not in r, f"host {r.get('worker')}: {r.get('error')}\nall: {results}\n{lab.logs()}"
         assert r["mismatches"] == [], r
         assert r["rounds_ok"] == rounds, r
 
