@@ -351,7 +351,7 @@ class _Round:
         DPU worker may be restarting; the dataplane still merges). Some result packets: ask for
         the missing seqs."""
         c = self.c
-        backoff = 2.0 ** np.minimum(self.tries, 2)
+        backoff = 2.0 ** np.minimum(self.tries, 1)
         since = now - np.maximum(self.last_tx, last_progress)
         due = np.flatnonzero(self.sent & ~self.done & (since > c.retx_interval * backoff))
         if not len(due):
