@@ -48,6 +48,8 @@ def test_ddp_with_the_dosa_hook_reaches_dense_accuracy_within_one_point(tmp_path
                      out=str(tmp_path), timeout=200, extra_train_args=["--bucket-cap-mb", "0.03"])
     s = run_demo(cfg, echo=lambda line: None)
     dosa, dense = s["runs"]["dosa"], s["runs"]["dense"]
+    print(f"dosa {dosa['test_accuracy']:.4f} dense {dense['test_accuracy']:.4f} "
+          f"gap {s['accuracy_gap_points']:+.2f} points")
     assert dosa["replicas_consistent"] and dense["replicas_consistent"]
     assert dense["test_accuracy"] > 0.9, "the dense baseline itself did not train"
     assert (dense["test_accuracy"] - dosa["test_accuracy"]) * 100 <= 1.0, s["accuracy_gap_points"]
@@ -123,3 +125,44 @@ def test_dosa_demo_cli_writes_its_files_and_its_exit_status_follows_the_target(t
     assert r.returncode == (0 if summary["within_target"] else 1), r.stderr[-2000:]
     assert summary["backend"] == "loopback" and set(summary["runs"]) == {"dosa", "dense"}
     assert (tmp_path / "demo.json").exists()
+
+
+def _procs_mentioning(text: str) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if text in (d / "cmdline").read_bytes().decode(errors="replace") and _alive(int(d.name)):
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_training_stops_every_process_the_demo_started(tmp_path):
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "dosa", "demo", "--backend", "loopback", "--hosts", "2",
+                          "--epochs", "50", "--out", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in p.stdout:  # wait until the ranks are training
+            seen.append(line)
+            if line.startswith("[dosa] epoch 1/"):
+                break
+        assert _procs_mentioning(str(tmp_path)), "".join(seen)
+        p.send_signal(signal.SIGINT)
+        rest = p.communicate(timeout=60)[0]
+        assert p.returncode == 130, rest
+        assert "interrupted" in rest
+        deadline = time.monotonic() + 10
+        while _procs_mentioning(str(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _procs_mentioning(str(tmp_path)) == [], "ranks or DPU workers outlived Ctrl-C"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
