@@ -71,7 +71,6 @@ def cmd_run(args) -> int:
             from dosa.wire import DEFAULT_PORT
             bind = (bind[0], DEFAULT_PORT)
     instance = args.pin_dir or args.instance
-    discover = None
     if args.control is not None:
         from_control = _control_discovery(args.control, bind)
         if args.mode == "xdp":
@@ -95,6 +94,8 @@ def cmd_run(args) -> int:
             return jobs_from_maps(worker.maps, bind, args.gtopk_density)
     elif not jobs:
         raise DosaError("give --job-config FILE or --control ADDR:PORT to learn the jobs to serve")
+    else:
+        discover = None
     if idx is None:
         idx = 0
     if bind is None and jobs:
