@@ -208,8 +208,8 @@ def load_gradients(path) -> list[np.ndarray]:
     """Load per-host gradients saved by :func:`save_gradients`, ``np.savez`` or ``torch.save``.
 
     ``.npz``: one 1-D array per host (taken in natural key order: host2 before host10), or a single
-    2-D array (one row per host). Anything else is read with ``torch.load(weights_only=True)`` and
-    must be a list/tuple of tensors or one 2-D tensor. Raises ValueError with the reason otherwise.
+    2-D array (one row per host). Anything else is read with ``torch.load(weights_only=True)`` (numpy
+    float arrays allowed) and must be a list/tuple of tensors or arrays, or one 2-D tensor. Raises ValueError with the reason otherwise.
     """
     path = Path(path)
     if not path.is_file():
@@ -227,15 +227,25 @@ def load_gradients(path) -> list[np.ndarray]:
     try:
         import torch
 
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        # numpy arrays are allowed too (a list of arrays is what people torch.save), but nothing
+        # else: weights_only refuses arbitrary pickled code
+        try:
+            from numpy._core.multiarray import _reconstruct  # numpy >= 2
+        except ImportError:
+            from numpy.core.multiarray import _reconstruct
+
+        floats = [type(np.dtype(t)) for t in (np.float16, np.float32, np.float64)]
+        with torch.serialization.safe_globals([_reconstruct, np.ndarray, np.dtype, *floats]):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a bad file
         raise ValueError(f"{path}: not a .npz and not loadable with torch.load(weights_only=True): "
                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    if hasattr(obj, "dim") and obj.dim() == 2:
+    if (hasattr(obj, "dim") or isinstance(obj, np.ndarray)) and obj.ndim == 2:
         obj = list(obj)
-    if not isinstance(obj, (list, tuple)) or not all(hasattr(t, "numpy") for t in obj):
-        raise ValueError(f"{path}: expected a list of per-host 1-D tensors, got {type(obj).__name__}")
-    return _validate([t.detach().float().numpy() for t in obj], path)
+    if not isinstance(obj, (list, tuple)) or not all(isinstance(t, np.ndarray) or hasattr(t, "detach")
+                                                     for t in obj):
+        raise ValueError(f"{path}: expected a list of per-host 1-D tensors or arrays, got {type(obj).__name__}")
+    return _validate([t if isinstance(t, np.ndarray) else t.detach().float().numpy() for t in obj], path)
 
 
 def hidden_for_numel(numel: int) -> tuple[int, int]:

@@ -191,3 +191,14 @@ def test_real_model_size_follows_numel():
         assert abs(got - n) / n < 0.02, (n, got)
     with pytest.raises(ValueError):
         G.hidden_for_numel(10)
+
+
+def test_torch_saved_list_of_numpy_arrays(tmp_path):
+    torch = pytest.importorskip("torch")
+    gr = G.make_gradients(2, 300, 0.5)
+    torch.save(gr, tmp_path / "np.pt")
+    back = G.load_gradients(tmp_path / "np.pt")
+    np.testing.assert_array_equal(back[1], gr[1])
+    torch.save({"not": "a list"}, tmp_path / "dict.pt")
+    with pytest.raises(ValueError, match="list of per-host"):
+        G.load_gradients(tmp_path / "dict.pt")
