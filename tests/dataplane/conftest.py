@@ -38,7 +38,8 @@ def dp():
 
 @pytest.fixture
 def h(dp):
-    """The session harness with counters zeroed and the completion ring drained."""
+    """The session harness emptied (no jobs, flows or state), counters zeroed, ring drained."""
+    dp.reset()
     dp.maps.poll_completions(0)
     dp.maps.reset_counters()
     return dp

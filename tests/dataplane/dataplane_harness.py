@@ -26,6 +26,17 @@ class Harness:
         self._pool = self._pstate = self._wstate = 0
         maps.add_port(PORT)
 
+    def reset(self) -> None:
+        """Remove every job and flow and zero all state: each test starts from an empty dataplane."""
+        for j in self.maps.jobs():
+            self.maps.delete_job(j.job_id)
+        for (job_id, w) in self.maps.flows():
+            self.maps.delete_flow(job_id, w)
+        self.maps.pool[:] = 0
+        self.maps.pstate[:] = 0
+        self.maps.wstate[:] = 0
+        self._pool = self._pstate = self._wstate = 0
+
     def job(self, workers=2, numel=1000, partition_size=256, num_dpus=1, dpu_index=0,
             install_flows=True) -> JobInfo:
         """A fresh job with its own (bump-allocated) regions and every worker's flow installed."""

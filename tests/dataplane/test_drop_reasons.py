@@ -35,6 +35,11 @@ def dense(j, base=0, n=8, partition=0, total=1, worker=0):
     return Harness.frame(wire.build_packet(h, np.arange(1, n + 1)), worker)
 
 
+def vlan(frame: bytes, tpid: int = 0x8100) -> bytes:
+    """The frame with a VLAN tag inserted after the MAC addresses."""
+    return frame[:12] + tpid.to_bytes(2, "big") + (7).to_bytes(2, "big") + frame[12:]
+
+
 def raw_hdr(j, mutate, entries=((3, 5),)):
     """A valid sparse frame whose dosa bytes are then edited by ``mutate(bytearray)``."""
     b = bytearray(wire.build_packet(hdr(j), np.array(entries, np.int64)))
@@ -123,6 +128,8 @@ ROWS = [
                                      sparse(hdr(j, seq=1, total=4, flags=0), j)), XDP_DROP,
      Counter.TOTAL_MISMATCH),
     ("merged", lambda h, j: ([], sparse(hdr(j), j)), XDP_DROP, Counter.MERGED),
+    ("vlan_tagged_is_not_parsed", lambda h, j: ([], vlan(sparse(hdr(j), j))), XDP_PASS,
+     Counter.PASS_NOT_DOSA),
     ("heartbeat", lambda h, j: ([], Harness.frame(wire.build_packet(
         hdr(j, type=wire.PacketType.HEARTBEAT, flags=0))))
      , XDP_PASS, Counter.PASS_CONTROL),
