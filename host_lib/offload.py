@@ -438,7 +438,8 @@ class OffloadServices:
     def start(self) -> "OffloadServices":
         try:
             for name, module, port, extra in self._plan:
-                cmd = [sys.executable, "-m", module, "--listen", f"{self.host}:{port}", *extra]
+                cmd = [sys.executable, "-m", module, "--listen", f"{self.host}:{port}",
+                       "--exit-with-parent", *extra]
                 if self.cpus:
                     cmd += ["--cpus", str(self.cpus)]
                 for spec in self.datasets:

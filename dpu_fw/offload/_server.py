@@ -80,23 +80,40 @@ class Server(socketserver.ThreadingTCPServer):
         raise NotImplementedError
 
 
-def run(server: Server, cpus: set[int] | None) -> int:
-    """Pin, announce ``READY <name> <host:port>`` on stdout, serve until SIGTERM/SIGINT."""
+def run(server: Server, cpus: set[int] | None, exit_with_parent: bool = False) -> int:
+    """Pin, announce ``READY <name> <host:port>`` on stdout, serve until SIGTERM/SIGINT (or, with
+    ``exit_with_parent``, until the process that started it is gone: no orphaned services)."""
     pin(cpus)
     stop = threading.Event()
 
-    def on_signal(signum, frame):
-        stop.set()
-        threading.Thread(target=server.shutdown, daemon=True).start()
+    def shutdown():
+        if not stop.is_set():
+            stop.set()
+            threading.Thread(target=server.shutdown, daemon=True).start()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    def watch_parent(parent: int):
+        while not stop.wait(1.0):
+            if os.getppid() != parent:
+                log.warning("parent process %d is gone: stopping", parent)
+                shutdown()
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: shutdown())
+    signal.signal(signal.SIGINT, lambda signum, frame: shutdown())
+    if exit_with_parent:
+        threading.Thread(target=watch_parent, args=(os.getppid(),), daemon=True).start()
     print(f"READY {server.name} {server.address}", flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
+        stop.set()
         server.server_close()
     return 0
+
+
+def add_common_arguments(p) -> None:
+    p.add_argument("--cpus", default=None, help="pin to these CPUs (the DPU's cores), e.g. '1' or '2-3'")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop when the process that started this one exits")
 
 
 def configure_logging() -> None:

@@ -172,7 +172,7 @@ class AugmentServer(_server.Server):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default=f"0.0.0.0:{DEFAULT_PORT}",
                    help=f"HOST:PORT to listen on (port 0 picks a free one; default 0.0.0.0:{DEFAULT_PORT})")
-    p.add_argument("--cpus", default=None, help="pin to these CPUs (the DPU's cores), e.g. '1' or '2-3'")
+    _server.add_common_arguments(p)
     p.add_argument("--prefetch", type=int, default=DEFAULT_PREFETCH,
                    help=f"batches prepared ahead of the host (default {DEFAULT_PREFETCH})")
     p.add_argument("--dataset", action="append", default=[],
@@ -184,7 +184,7 @@ def serve(args) -> int:
     cpus = _server.parse_cpus(args.cpus)
     _server.pin(cpus)  # before loading data, so even that runs on the DPU's cores
     server = AugmentServer(args.listen, prefetch=args.prefetch, preload=tuple(args.dataset))
-    return _server.run(server, cpus)
+    return _server.run(server, cpus, exit_with_parent=args.exit_with_parent)
 
 
 def main(argv=None) -> int:

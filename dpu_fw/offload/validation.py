@@ -107,7 +107,7 @@ class ValidationServer(_server.Server):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default=f"0.0.0.0:{DEFAULT_PORT}",
                    help=f"HOST:PORT to listen on (port 0 picks a free one; default 0.0.0.0:{DEFAULT_PORT})")
-    p.add_argument("--cpus", default=None, help="pin to these CPUs (the DPU's cores), e.g. '1' or '2-3'")
+    _server.add_common_arguments(p)
     p.add_argument("--threads", type=int, default=1, help="torch threads for evaluation (default 1)")
     p.add_argument("--dataset", action="append", default=[],
                    help="dataset spec whose validation split is prepared before READY (repeatable)")
@@ -120,7 +120,7 @@ def serve(args) -> int:
     if not 1 <= args.threads <= 256:
         raise DosaError(f"--threads must be in [1, 256], not {args.threads}")
     server = ValidationServer(args.listen, threads=args.threads, preload=tuple(args.dataset))
-    return _server.run(server, cpus)
+    return _server.run(server, cpus, exit_with_parent=args.exit_with_parent)
 
 
 def main(argv=None) -> int:
