@@ -1,0 +1,127 @@
+"""AggregationClient against userspace DpuWorkers on loopback, in one process (threads): the whole
+protocol path without namespaces or privilege. The namespace tests (tests/netns/test_allreduce_*)
+cover real links, loss, XDP and failures."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from dpu_fw.worker import DpuWorker
+from host_lib.client import AggregationClient, MissingWorkersError
+from host_lib.transport import JobConfig
+
+
+def free_ports(n):
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def cluster():
+    made = []
+
+    def make(workers=4, dpus=2, mode="sum", numel=100_000, timeout=5.0):
+        ports = free_ports(workers + dpus)
+        job = JobConfig(job_id=3, numel=numel, hosts=[("127.0.0.1", p) for p in ports[:workers]],
+                        dpus=[("127.0.0.1", p) for p in ports[workers:]], partition_size=8192,
+                        mode=mode, density=0.01, scale_exp=8)
+        ws = [DpuWorker([job], d, mode="userspace") for d in range(dpus)]
+        ts = [threading.Thread(target=w.run, daemon=True) for w in ws]
+        for t in ts:
+            t.start()
+        cs = [AggregationClient(job, worker_id=i, timeout=timeout) for i in range(workers)]
+        made.append((ws, ts, cs))
+        return job, cs
+
+    yield make
+    for ws, ts, cs in made:
+        for c in cs:
+            c.close()
+        for w in ws:
+            w.stop()
+        for t in ts:
+            t.join(5)
+        for w in ws:
+            w.close()
+
+
+def run_all(clients, fn):
+    out = [None] * len(clients)
+    errs = [None] * len(clients)
+
+    def go(i):
+        try:
+            out[i] = fn(i, clients[i])
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            errs[i] = e
+
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(len(clients))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    return out, errs
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["sum", "gtopk"])
+def test_sparse_allreduce_over_loopback_is_exact(cluster, mode):
+    job, cs = cluster(mode=mode)
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        ins = []
+        for _w in range(4):
+            idx = np.sort(rng.choice(job.numel, 1500, replace=False)).astype(np.uint32)
+            ins.append((idx, rng.integers(-10**6, 10**6, 1500).astype(np.int32)))
+        total = np.zeros(job.numel, np.int64)
+        for idx, q in ins:
+            np.add.at(total, idx.astype(np.int64), q)
+        out, errs = run_all(cs, lambda i, c: c.allreduce_sparse(*ins[i], 8))
+        assert errs == [None] * 4
+        for ridx, sums in out:
+            assert np.array_equal(sums.astype(np.int64), total[ridx.astype(np.int64)])
+            if mode == "sum":
+                assert np.array_equal(ridx.astype(np.int64), np.flatnonzero(total))
+            else:  # at most k per partition, and the largest |sum| of each
+                part = ridx // job.partition_size
+                assert np.bincount(part).max() <= int(np.ceil(job.density * job.partition_size))
+                kept = np.zeros(job.numel, bool)
+                kept[ridx] = True
+                for p in np.unique(part):
+                    sl = slice(p * job.partition_size, (p + 1) * job.partition_size)
+                    a, k = np.abs(total[sl]), kept[sl]
+                    assert a[k].min() >= a[~k].max()
+
+
+@pytest.mark.timeout(60)
+def test_float_allreduce_and_async_handle(cluster):
+    job, cs = cluster(numel=20_000)
+    for c in cs:
+        c.density = 1.0
+    rng = np.random.default_rng(9)
+    xs = rng.standard_normal((4, job.numel)).astype(np.float32)
+    out, errs = run_all(cs, lambda i, c: c.allreduce_async(xs[i]).wait(20))
+    assert errs == [None] * 4
+    bound = 4 * 2.0 ** (-job.scale_exp - 1)
+    for o in out:
+        assert np.abs(o.astype(np.float64) - xs.astype(np.float64).sum(0)).max() <= bound
+
+
+@pytest.mark.timeout(60)
+def test_missing_worker_is_named_within_the_timeout(cluster):
+    job, cs = cluster(timeout=1.5)
+    idx = np.arange(0, job.numel, 97, dtype=np.uint32)
+    q = np.ones(len(idx), np.int32)
+    out, errs = run_all(cs[:3], lambda i, c: c.allreduce_sparse(idx, q, 8))
+    for e in errs:
+        assert isinstance(e, MissingWorkersError), e
+        assert e.missing == [3]
+        assert "worker(s) [3]" in str(e)
