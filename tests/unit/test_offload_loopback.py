@@ -194,3 +194,31 @@ def test_a_snapshot_that_does_not_fit_its_spec_fails_that_job_only(services, tra
         with pytest.raises(ServiceRefused, match="shape"):
             bad.result(timeout=60)
         assert good.result(timeout=60)["samples"] == 359
+
+
+@pytest.mark.timeout(120)
+def test_services_stop_when_the_host_process_dies_without_stopping_them():
+    import subprocess
+    import sys
+    import time
+    script = ("import os\nfrom host_lib.offload import OffloadServices\n"
+              f"svc = OffloadServices(datasets=[{DS!r}], validate=False).start()\n"
+              "print(svc.procs['augment'].pid, flush=True)\nos._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90,
+                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    pid = int(out.stdout.split()[0])
+
+    def gone() -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+        except FileNotFoundError:
+            return True
+
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not gone():
+        time.sleep(0.1)
+    stopped = gone()
+    if not stopped:
+        os.kill(pid, 9)  # do not leave it behind, then fail
+    assert stopped, "the service outlived the host process that started it"
