@@ -6,5 +6,15 @@
 ``report``: JSON, a table of ratios, a PNG plot; ``runner``: ties them together (CLI options, run).
 """
 
-from host_lib.bench.baselines import prepare_workdir, run_baselines  # noqa: E402,F401
-from host_lib.bench.runner import add_arguments, cli_run, main, run_bench  # noqa: E402,F401
+_EXPORTS = {"prepare_workdir": "baselines", "run_baselines": "baselines", "add_arguments": "runner",
+            "cli_run": "runner", "main": "runner", "run_bench": "runner"}
+
+
+def __getattr__(name):
+    # lazy: the worker processes run ``python -m host_lib.bench.baselines`` / ``.limit``, which must
+    # not be imported by the package first (runpy would warn and run the module twice)
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f"host_lib.bench.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'host_lib.bench' has no attribute {name!r}")
