@@ -145,14 +145,14 @@ def plot(result: dict, path: str) -> None:
     host, off = result["host_median_s"], result["offload_median_s"]
     # split the host-only bar by the CPU-time shares of augmentation and validation
     aug, val = host * result["augment_share"], host * result["validate_share"]
-    ax.bar(["host only"], [host - aug - val], label="training step", color="#4c72b0")
-    ax.bar(["host only"], [aug], bottom=[host - aug - val], label="augmentation", color="#dd8452")
-    ax.bar(["host only"], [val], bottom=[host - val], label="validation", color="#55a868")
-    ax.bar(["augment + validate\noffloaded"], [off], color="#8172b3", label="offloaded (host time)")
+    ax.bar(["host only"], [host - aug - val], label="training step (rest)", color="#4c72b0")
+    ax.bar(["host only"], [aug], bottom=[host - aug - val], label="augmentation (CPU share)", color="#dd8452")
+    ax.bar(["host only"], [val], bottom=[host - val], label="validation (CPU share)", color="#55a868")
+    ax.bar(["augment + validate\noffloaded"], [off], color="#8172b3", label="offloaded")
     for mode, xpos in (("host", 0), ("offload", 1)):
         ts = result["seconds_per_epoch"][mode]
         ax.scatter([xpos] * len(ts), ts, color="black", s=10, zorder=3)
-    ax.set_ylabel("seconds per epoch (median, dots: runs)")
+    ax.set_ylabel("wall seconds per epoch (median; dots: runs)")
     ax.set_title(f"{result['dataset']}, batch {result['batch_size']}: "
                  f"{result['reduction_pct']:.1f}% less time per epoch", fontsize=9)
     ax.legend(fontsize=8)
