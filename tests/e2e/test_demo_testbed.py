@@ -44,3 +44,20 @@ def test_demo_on_the_testbed_trains_through_the_xdp_dataplane_and_tears_down(tmp
     assert d0.get("attachments"), d0
     assert sum(d0["outcomes"].values()) > 0, d0
     assert json.loads((tmp_path / "demo.json").read_text())["backend"] == "testbed"
+
+
+@pytest.mark.root
+@pytest.mark.timeout(150)
+def test_auto_backend_says_why_and_runs_on_loopback_when_the_testbed_cannot_come_up(tmp_path):
+    """`make demo` (backend auto) must still show dosa working when the testbed fails to come up,
+    and say so; an explicit --backend testbed fails instead."""
+    from dosa.errors import DosaError
+
+    bad = dict(hosts=2, epochs=1, out=str(tmp_path), timeout=120, testbed_prefix="Not A Prefix")
+    with pytest.raises(DosaError, match="prefix"):
+        run_demo(DemoConfig(backend="testbed", **bad), echo=lambda line: None)
+    lines = []
+    s = run_demo(DemoConfig(backend="auto", **bad), echo=lines.append)
+    assert s["backend"] == "loopback" and "prefix" in s["testbed_error"]
+    assert any("running on loopback instead" in line for line in lines)
+    assert s["runs"]["dosa"]["hook"][0]["dosa_rounds"] == s["runs"]["dosa"]["steps"]
