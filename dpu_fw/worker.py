@@ -39,6 +39,9 @@ MODES = ("userspace", "xdp")
 #: right after the fan-out the result is still on its way, and a host that asked before it arrived
 #: would otherwise double the DPU's send load exactly when it is busiest.
 ANSWER_GUARD = 0.1
+#: Completed partitions whose results are built and sent per sendmmsg batch: results then flow to the
+#: hosts while the rest are built (a host seeing no progress for its retransmission interval asks again).
+EMIT_CHUNK = 32
 
 
 class JobRuntime:
@@ -99,28 +102,33 @@ class JobRuntime:
         for lp, rnd in comps:
             self._settle(lp, rnd)
             groups.setdefault((rnd, self.backend.scale_exp(lp, rnd)), []).append(lp)
-        now = time.monotonic()
         for (rnd, scale), lps in groups.items():
             lps = sorted(set(lps))
-            parts = self.owned[lps]
-            got = [self._sums(lp, rnd) for lp in lps]
-            idx = np.concatenate([g[0] for g in got])
-            sums = np.concatenate([g[1] for g in got])
-            batch = packetize_results(idx, sums, self.pmap, job_id=self.job.job_id, round=rnd,
-                                      scale_exp=scale, flags=self._flags(), partitions=parts)
-            hp = batch.headers()["partition"].astype(np.int64)
-            starts = np.searchsorted(hp, parts, "left")
-            ends = np.searchsorted(hp, parts, "right")
-            for k, lp in enumerate(lps):
-                sl = slice(int(starts[k]), int(ends[k]))
-                self.shadow[(lp, rnd)] = (PacketBatch(batch.data[sl], batch.lengths[sl], batch.dest[sl]),
-                                          got[k][2])
-                self._emitted[(lp, rnd)] = now
-            if len(self._emitted) > 65536:
-                self._emitted = {k: v for k, v in self._emitted.items() if now - v < ANSWER_GUARD}
-            n, h = len(batch), len(self.host_ip)
-            rows = np.repeat(np.arange(n), h)  # packet-major: each packet to every host in turn
-            ep.send(batch, rows, np.tile(self.host_ip, n), np.tile(self.host_port, n))
+            for i in range(0, len(lps), EMIT_CHUNK):
+                self._emit(rnd, scale, lps[i:i + EMIT_CHUNK], ep)
+
+    def _emit(self, rnd: int, scale: int, lps: list[int], ep: UdpEndpoint) -> None:
+        """Build (one vectorized packetization) and fan out the results of ``lps`` for ``rnd``."""
+        now = time.monotonic()
+        parts = self.owned[lps]
+        got = [self._sums(lp, rnd) for lp in lps]
+        idx = np.concatenate([g[0] for g in got])
+        sums = np.concatenate([g[1] for g in got])
+        batch = packetize_results(idx, sums, self.pmap, job_id=self.job.job_id, round=rnd,
+                                  scale_exp=scale, flags=self._flags(), partitions=parts)
+        hp = batch.headers()["partition"].astype(np.int64)
+        starts = np.searchsorted(hp, parts, "left")
+        ends = np.searchsorted(hp, parts, "right")
+        for k, lp in enumerate(lps):
+            sl = slice(int(starts[k]), int(ends[k]))
+            self.shadow[(lp, rnd)] = (PacketBatch(batch.data[sl], batch.lengths[sl], batch.dest[sl]),
+                                      got[k][2])
+            self._emitted[(lp, rnd)] = now
+        if len(self._emitted) > 65536:
+            self._emitted = {k: v for k, v in self._emitted.items() if now - v < ANSWER_GUARD}
+        n, h = len(batch), len(self.host_ip)
+        rows = np.repeat(np.arange(n), h)  # packet-major: each packet to every host in turn
+        ep.send(batch, rows, np.tile(self.host_ip, n), np.tile(self.host_port, n))
 
     def _settle(self, lp: int, rnd: int) -> None:
         """Before round ``rnd``'s result goes out: if it is base_round + 1, every host has moved past
