@@ -3,7 +3,6 @@
 and that exactly the named verdict counter moved, by exactly one."""
 from __future__ import annotations
 
-from dataclasses import replace
 
 import numpy as np
 import pytest

@@ -94,7 +94,7 @@ def test_real_traffic_merges_exactly_and_teardown_leaves_nothing():
         try:
             ctl.attach("eth0", netns=d, config=LoadConfig(pool_slots=1 << 18, pstate_slots=256,
                                                          wstate_slots=4096))
-            job = ctl.add_job(9, workers=2, numel=40000, partition_size=10000)
+            ctl.add_job(9, workers=2, numel=40000, partition_size=10000)
             for w in range(2):
                 ctl.add_worker(9, w, HOST_IP, 40000 + w)
             # the DPU worker's socket: what XDP passes up must arrive here
