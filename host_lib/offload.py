@@ -412,14 +412,15 @@ class OffloadServices:
     def __init__(self, host: str = "127.0.0.1", augment_port: int = 0, validate_port: int = 0,
                  cpus: str | None = None, datasets=(), netns: str | None = None,
                  prefetch: int = 8, threads: int = 1, startup_timeout: float = 60.0,
-                 augment: bool = True, validate: bool = True):
+                 augment: bool = True, validate: bool = True, workers: int | None = None):
         self.host, self.cpus, self.netns = host, cpus, netns
         self.datasets = list(datasets)
         self.startup_timeout = startup_timeout
         self._plan = []
         if augment:
             self._plan.append(("augment", "dpu_fw.offload.service", augment_port,
-                               ["--prefetch", str(prefetch)]))
+                               ["--prefetch", str(prefetch)]
+                               + (["--workers", str(workers)] if workers else [])))
         if validate:
             self._plan.append(("validate", "dpu_fw.offload.validation", validate_port,
                                ["--threads", str(threads)]))

@@ -124,21 +124,21 @@ class BatchPipeline:
         self.cfg = augment if augment is not None else AugmentConfig.evaluation()
         self.drop_last = drop_last
         self.mean, self.std = stats if stats is not None else channel_stats(split)
-        self._perm_epoch: int | None = None
-        self._perm: np.ndarray | None = None
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, order), swapped atomically
 
     def __len__(self) -> int:
         n = len(self.split)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def order(self, epoch: int) -> np.ndarray:
-        """The sample order of ``epoch`` (cached for the current epoch)."""
-        if self._perm_epoch != epoch:
+        """The sample order of ``epoch`` (cached for the latest epoch; safe from several threads)."""
+        cached = self._order
+        if cached is None or cached[0] != epoch:
             n = len(self.split)
-            self._perm = (np.random.default_rng([self.seed, epoch]).permutation(n)
-                          if self.shuffle else np.arange(n))
-            self._perm_epoch = epoch
-        return self._perm  # type: ignore[return-value]
+            cached = (epoch, np.random.default_rng([self.seed, epoch]).permutation(n)
+                      if self.shuffle else np.arange(n))
+            self._order = cached
+        return cached[1]
 
     def batch(self, epoch: int, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not isinstance(epoch, int) or epoch < 0:

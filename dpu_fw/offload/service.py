@@ -8,11 +8,12 @@ Requests on a connection (see protocol.py for framing):
             -> ``end`` {epoch, batches}
 Anything wrong -> ``error`` {message}, then the connection is closed.
 
-Prefetch and backpressure: a producer thread fills a bounded queue of ``prefetch`` batches while the
-connection thread sends (once an epoch is sent, it prepares the first batches of the next one); when the host reads
-slowly, TCP's window fills, ``sendall`` blocks, the queue fills and the producer waits. At most ``prefetch`` batches (plus the socket buffers) are ever
-ahead of the host. The host names the first batch it wants (``start``), so a reconnect resumes
-exactly where it stopped.
+Prefetch and backpressure: a producer thread fills a bounded queue of ``prefetch`` batches (computed
+by ``--workers`` threads at once) while the connection thread sends; once an epoch is sent it
+prepares the first batches of the next one. When the host reads slowly, TCP's window fills,
+``sendall`` blocks, the queue fills and the producer waits: at most ``prefetch`` batches (plus the
+socket buffers) are ever ahead of the host. The host names the first batch it wants (``start``), so
+a reconnect resumes exactly where it stopped.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import argparse
 import queue
 import socket
 import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 from dosa.errors import DosaError
 
@@ -42,11 +45,15 @@ def _field(meta: dict, key: str, kind, default=None):
 
 
 class Producer:
-    """Computes batches ``start..`` of one epoch into a bounded queue on its own thread."""
+    """Computes batches ``start..`` of one epoch into a bounded queue, in order, on its own thread;
+    with a worker pool, up to ``workers`` batches are computed at once (numpy's random generators
+    and array operations release the GIL, so threads scale over the DPU's cores)."""
 
     def __init__(self, pipe, key: tuple, epoch: int, start: int, prefetch: int,
-                 speculative: bool = False):
+                 speculative: bool = False, pool: ThreadPoolExecutor | None = None,
+                 workers: int = 1):
         self.pipe, self.key, self.epoch, self.start = pipe, key, epoch, start
+        self._pool, self._workers = pool, workers
         self._ready: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         # A speculative producer (the next epoch, not asked for yet) stops after a few batches
@@ -73,17 +80,32 @@ class Producer:
         self._confirmed.set()
 
     def _run(self) -> None:
+        inflight: deque = deque()
         try:
             for b in range(self.start, len(self.pipe)):
                 if b - self.start >= SPECULATIVE_BATCHES:
                     while not self._confirmed.wait(0.2):
                         if self._stop.is_set():
                             return
-                if not self._put((b, self.pipe.batch(self.epoch, b))):
+                if self._pool is None:
+                    if not self._put((b, self.pipe.batch(self.epoch, b))):
+                        return
+                    continue
+                inflight.append((b, self._pool.submit(self.pipe.batch, self.epoch, b)))
+                if len(inflight) >= self._workers:
+                    done, fut = inflight.popleft()
+                    if not self._put((done, fut.result())):
+                        return
+            while inflight:
+                done, fut = inflight.popleft()
+                if not self._put((done, fut.result())):
                     return
             self._put(_DONE)
         except Exception as e:  # reported to the host as an error message
             self._put(e)
+        finally:
+            for _, fut in inflight:
+                fut.cancel()
 
     def get(self):
         return self._ready.get()
@@ -96,10 +118,14 @@ class Producer:
 class AugmentServer(_server.Server):
     name = "augment"
 
-    def __init__(self, address, prefetch: int = DEFAULT_PREFETCH, preload: tuple[str, ...] = ()):
+    def __init__(self, address, prefetch: int = DEFAULT_PREFETCH, preload: tuple[str, ...] = (),
+                 workers: int = 1):
         if not 1 <= prefetch <= 1024:
             raise DosaError(f"prefetch must be in [1, 1024], not {prefetch}")
-        self.prefetch = prefetch
+        if not 1 <= workers <= 256:
+            raise DosaError(f"workers must be in [1, 256], not {workers}")
+        self.prefetch, self.workers = prefetch, workers
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="augment-worker") if workers > 1 else None
         for spec in preload:  # load before announcing READY, so the first epoch starts at once
             load_dataset(spec)
         super().__init__(address)
@@ -125,11 +151,12 @@ class AugmentServer(_server.Server):
                     if producer is None or not producer.matches(key, epoch, start):
                         if producer is not None:
                             producer.close()
-                        producer = Producer(self._pipeline(key), key, epoch, start, self.prefetch)
+                        producer = Producer(self._pipeline(key), key, epoch, start, self.prefetch,
+                                            pool=self.pool, workers=self.workers)
                     producer.confirm()
                     self._stream(sock, producer)
                     producer = Producer(producer.pipe, key, epoch + 1, 0, self.prefetch,
-                                        speculative=True)
+                                        speculative=True, pool=self.pool, workers=self.workers)
                 else:
                     raise FrameError(f"unknown request {msg.kind!r}")
         finally:
@@ -175,6 +202,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _server.add_common_arguments(p)
     p.add_argument("--prefetch", type=int, default=DEFAULT_PREFETCH,
                    help=f"batches prepared ahead of the host (default {DEFAULT_PREFETCH})")
+    p.add_argument("--workers", type=int, default=None,
+                   help="batches augmented in parallel (default: one per CPU of --cpus, else 1)")
     p.add_argument("--dataset", action="append", default=[],
                    help="dataset spec to load before announcing READY (repeatable)")
 
@@ -183,7 +212,9 @@ def serve(args) -> int:
     _server.configure_logging()
     cpus = _server.parse_cpus(args.cpus)
     _server.pin(cpus)  # before loading data, so even that runs on the DPU's cores
-    server = AugmentServer(args.listen, prefetch=args.prefetch, preload=tuple(args.dataset))
+    workers = args.workers if args.workers is not None else len(cpus or ()) or 1
+    server = AugmentServer(args.listen, prefetch=args.prefetch, preload=tuple(args.dataset),
+                           workers=workers)
     return _server.run(server, cpus, exit_with_parent=args.exit_with_parent)
 
 

@@ -168,3 +168,21 @@ def test_bad_pipeline_arguments_are_clear_errors(train):
         BatchPipeline(Split(train.x[:0], train.y[:0]), 4, 0, AugmentConfig())
     with pytest.raises(DosaError):
         BatchPipeline(train, 8, 0, AugmentConfig()).batch(0, 10_000)
+
+
+def test_parallel_producer_keeps_batch_order_and_bits():
+    from concurrent.futures import ThreadPoolExecutor
+    from dpu_fw.offload.service import Producer, _DONE
+    pipe = make_pipeline(DS, "train", 40, 9, AugmentConfig())
+    with ThreadPoolExecutor(3) as pool:
+        producer = Producer(pipe, ("k",), epoch=4, start=2, prefetch=4, pool=pool, workers=3)
+        got = []
+        while (item := producer.get()) is not _DONE:
+            assert not isinstance(item, Exception), item
+            got.append(item)
+        producer.close()
+    assert [b for b, _ in got] == list(range(2, len(pipe)))
+    fresh = make_pipeline(DS, "train", 40, 9, AugmentConfig())
+    for b, (x, y, ids) in got:
+        lx, ly, lids = fresh.batch(4, b)
+        assert np.array_equal(x, lx) and np.array_equal(ids, lids)
