@@ -41,7 +41,7 @@ def register_bench(bench_sub) -> None:
     b.add_argument("--epochs", type=int, default=3, help="epochs per timed run")
     b.add_argument("--rounds", type=int, default=5, help="timed runs per mode (alternating)")
     b.add_argument("--batch-size", type=int, default=64)
-    b.add_argument("--hidden", type=int, default=256, help="hidden width of the MLP trained")
+    b.add_argument("--hidden", type=int, default=384, help="hidden width of the MLP trained")
     b.add_argument("--host-cpu", type=int, default=0)
     b.add_argument("--dpu-cpus", default="1")
     b.add_argument("--seed", type=int, default=0)

@@ -60,7 +60,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def run(dataset: str = DEFAULT_DATASET, epochs: int = 3, rounds: int = 5, batch_size: int = 64,
-        hidden: int = 256, host_cpu: int = 0, dpu_cpus: str = "1", seed: int = 0,
+        hidden: int = 384, host_cpu: int = 0, dpu_cpus: str = "1", seed: int = 0,
         nice: int = 0) -> dict:
     import torch
     from dpu_fw.offload._server import parse_cpus
