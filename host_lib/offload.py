@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
-import logging
 import socket
 import threading
 import time
@@ -39,9 +38,6 @@ from dpu_fw.offload.models import check_spec, state_arrays
 from dpu_fw.offload.protocol import (ConnectionClosed, FrameError, OffloadError, connect,
                                      recv_message, send_message)
 from dpu_fw.offload.validation import DEFAULT_BATCH, evaluate_snapshot
-
-log = logging.getLogger("dosa.offload")
-
 
 class ServiceLost(OffloadError):
     """An offload service died or became unreachable, and fallback was not enabled."""
