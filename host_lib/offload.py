@@ -39,6 +39,7 @@ from dpu_fw.offload.protocol import (ConnectionClosed, FrameError, OffloadError,
                                      recv_message, send_message)
 from dpu_fw.offload.validation import DEFAULT_BATCH, evaluate_snapshot
 
+
 class ServiceLost(OffloadError):
     """An offload service died or became unreachable, and fallback was not enabled."""
 
