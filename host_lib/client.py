@@ -260,6 +260,7 @@ class _Round:
         self.chunks_val: list[np.ndarray] = []
         self.next = 0
         self.missing: dict[int, list[int]] = {}
+        self.status_at = np.full(P, -np.inf)  # when the last STATUS of each partition arrived
 
     def run(self) -> tuple[np.ndarray, np.ndarray]:
         c = self.c
@@ -310,6 +311,7 @@ class _Round:
             p = int(h["partition"][i])
             ws = sorted(int(w) for w in parsed.indices[parsed.offsets[i]:parsed.offsets[i + 1]])
             self.missing[p] = ws
+            self.status_at[p] = time.monotonic()
             self.unanswered[p] = 0
             if self.c.worker_id in ws and not self.done[p]:
                 need.append(p)
@@ -407,19 +409,26 @@ class _Round:
         return wire.build_packet(h, seqs), int(self.owner[p])
 
     def _fail(self):
+        """Raise the round's timeout, naming the workers the DPUs reported missing recently (a
+        STATUS older than half the timeout may be stale: the DPU may have died since)."""
         c = self.c
+        now = time.monotonic()
         stuck = np.flatnonzero(self.sent & ~self.done)
-        missing = sorted({w for p in stuck.tolist() for w in self.missing.get(p, [])})
-        c.last_missing = {int(p): self.missing.get(int(p), []) for p in stuck}
+        fresh = [p for p in stuck.tolist() if now - self.status_at[p] < max(1.0, c.timeout / 2)]
+        missing = sorted({w for p in fresh for w in self.missing.get(p, [])})
+        c.last_missing = {int(p): self.missing.get(int(p), []) for p in fresh}
         shown = ", ".join(str(p) for p in stuck[:8].tolist()) + (" ..." if len(stuck) > 8 else "")
+        silent = sorted({int(self.owner[p]) for p in stuck.tolist()} -
+                        {int(self.owner[p]) for p in fresh})
+        parts = []
         if missing:
-            who = f"the DPU is still waiting for worker(s) {missing}"
-        else:
-            dpus = sorted({int(self.owner[p]) for p in stuck.tolist()})
-            who = f"no answer from DPU(s) {dpus} ({', '.join(f'{a}:{b}' for a, b in (c.job.dpus[d] for d in dpus))})"
+            parts.append(f"the DPU is still waiting for worker(s) {missing}")
+        if silent:
+            addrs = ", ".join(f"{a}:{b}" for a, b in (c.job.dpus[d] for d in silent))
+            parts.append(f"no recent answer from DPU(s) {silent} ({addrs})")
         raise MissingWorkersError(
             f"allreduce round {c.round} of job {c.job.job_id} made no progress for {c.timeout:g} s: "
-            f"{len(stuck)} partition(s) incomplete ({shown}); {who}", missing)
+            f"{len(stuck)} partition(s) incomplete ({shown}); " + "; ".join(parts), missing)
 
 
 class MissingWorkersError(DosaError):

@@ -41,6 +41,7 @@ def cluster():
         made.append((ws, ts, cs))
         return job, cs
 
+    make.made = made
     yield make
     for ws, ts, cs in made:
         for c in cs:
@@ -125,3 +126,22 @@ def test_missing_worker_is_named_within_the_timeout(cluster):
         assert isinstance(e, MissingWorkersError), e
         assert e.missing == [3]
         assert "worker(s) [3]" in str(e)
+
+
+@pytest.mark.timeout(60)
+def test_dead_dpu_is_named_not_a_stale_worker_list(cluster):
+    job, cs = cluster(timeout=1.5, dpus=1)
+    idx = np.arange(0, job.numel, 97, dtype=np.uint32)
+    q = np.ones(len(idx), np.int32)
+    out, errs = run_all(cs, lambda i, c: c.allreduce_sparse(idx, q, 8))
+    assert errs == [None] * 4
+    ws, ts, _ = cluster.made[-1]
+    for w in ws:
+        w.stop()
+    for t in ts:
+        t.join(5)
+    _, errs = run_all(cs, lambda i, c: c.allreduce_sparse(idx, q, 8))
+    for e in errs:
+        assert isinstance(e, MissingWorkersError), e
+        assert e.missing == []
+        assert "no recent answer from DPU(s) [0]" in str(e)
