@@ -13,6 +13,14 @@ Two ways to run the ranks (``backend``):
 Both runs happen in ONE launch of ``host_lib.train_digits --comm dosa,dense`` (torch imports once
 per rank; same data split, same seed, same initial weights). Everything started is stopped in a
 ``finally`` (also on Ctrl-C): DPU workers, ranks, the testbed.
+
+``--offload`` adds a second launch (``dosa.demo_offload``) on the same cluster: the augmentation and
+validation services (dpu_fw/offload) run on every DPU -- inside its namespace on the testbed, on
+127.0.0.1 on loopback -- pinned to the DPU half of the CPUs (the testbed comes up with
+``--cpu-split``; on loopback the ranks are pinned to the host half the same way). Every rank trains
+on its own shard, once augmenting it itself and validating on rank 0 (``host``), once reading it
+from its DPU's augmentation service and submitting snapshots to the validation service
+(``offload``); the summary compares their time per epoch and checks that both trained identically.
 """
 from __future__ import annotations
 
@@ -56,6 +64,11 @@ class DemoConfig:
     mode: str = "sum"
     testbed_prefix: str = "dosademo"
     extra_train_args: list[str] = field(default_factory=list)
+    #: --offload: the image workload (digits upsampled: at 8x8 augmentation costs nothing worth
+    #: offloading), its epochs and per-host batch size
+    offload_dataset: str = "digits:size=32,channels=3"
+    offload_epochs: int = 3
+    offload_batch_size: int = 32
 
     def __post_init__(self):
         if not 2 <= self.hosts <= 64:
@@ -72,6 +85,8 @@ class DemoConfig:
             raise DosaError(f"--mode must be sum or gtopk, got {self.mode!r}")
         if not self.timeout > 0:
             raise DosaError(f"--timeout must be positive, got {self.timeout}")
+        if self.offload_epochs < 1 or self.offload_batch_size < 1:
+            raise DosaError("--offload-epochs and --offload-batch-size must be >= 1")
 
     @property
     def numel(self) -> int:
@@ -201,6 +216,22 @@ class LoopbackCluster:
     def dpu_stats(self) -> dict:
         return {}  # userspace workers keep their counters to themselves (printed with -v)
 
+    def cpu_sets(self) -> tuple[str | None, str | None]:
+        """(host CPUs, DPU CPUs) as taskset lists: the testbed's --cpu-split halves."""
+        return split_cpus()
+
+    def offload_services(self, datasets_per_dpu: list[list[str]]) -> list:
+        """One (not yet started) OffloadServices per DPU, on 127.0.0.1, pinned to the DPU CPUs."""
+        from dpu_fw.offload.launcher import OffloadServices
+
+        return [OffloadServices(host="127.0.0.1", cpus=self.cpu_sets()[1], datasets=ds,
+                                startup_timeout=120.0) for ds in datasets_per_dpu]
+
+    def run_pinned(self, argv: list[str], timeout: float) -> None:
+        """``run`` with every rank pinned to the host CPUs (the testbed's --cpu-split, here)."""
+        host_cpus = self.cpu_sets()[0]
+        self.run((["taskset", "-c", host_cpus] if host_cpus else []) + argv, timeout)
+
     def close(self) -> None:
         stop_processes(self.workers)
         self.workers = []
@@ -275,17 +306,19 @@ class TestbedCluster:
     """A namespace testbed for the demo: up on enter, down on exit (always)."""
 
     def __init__(self, hosts: int, dpus: int, workdir: str | os.PathLike,
-                 echo: Callable[[str], None] | None = print, prefix: str = "dosademo"):
+                 echo: Callable[[str], None] | None = print, prefix: str = "dosademo",
+                 cpu_split: bool = False):
         from testbed.core import Testbed
 
         self.hosts, self.dpus = hosts, dpus
         self.workdir = Path(workdir)
         self.echo = echo
+        self.cpu_split = cpu_split
         self.tb = Testbed(prefix=prefix)
 
     def __enter__(self):
         try:
-            self.tb.up(hosts=self.hosts, dpus=self.dpus)
+            self.tb.up(hosts=self.hosts, dpus=self.dpus, cpu_split=self.cpu_split)
         except BaseException:
             self.tb.down()
             raise
@@ -299,7 +332,10 @@ class TestbedCluster:
             if self.echo is not None and line.startswith("[rank 0] ") and not _noise(line):
                 self.echo(line[len("[rank 0] "):])
 
-        result = self.tb.run(argv, timeout=timeout, env=env, log_dir=self.workdir / "ranks", echo=echo)
+        log_dir = self.workdir / "ranks"
+        if log_dir.exists():  # a second launch on the same testbed (--offload) keeps both logs
+            log_dir = self.workdir / f"ranks-{time.strftime('%H%M%S')}-{os.getpid()}-{time.monotonic_ns()}"
+        result = self.tb.run(argv, timeout=timeout, env=env, log_dir=log_dir, echo=echo)
         if not result.ok:
             raise DosaError(f"training on the testbed failed: {result.summary()}")
 
@@ -319,6 +355,25 @@ class TestbedCluster:
             except (subprocess.TimeoutExpired, ValueError, OSError) as e:
                 out[node.name] = {"error": str(e)}
         return out
+
+    def cpu_sets(self) -> tuple[str | None, str | None]:
+        st = self.tb.load_state() or {}
+        fmt = lambda cpus: ",".join(map(str, cpus)) if cpus else None  # noqa: E731
+        return fmt(st.get("host_cpus")), fmt(st.get("dpu_cpus"))
+
+    def offload_services(self, datasets_per_dpu: list[list[str]]) -> list:
+        """One (not yet started) OffloadServices per DPU: inside the DPU's namespace, listening on
+        its fabric address, pinned to the testbed's DPU CPUs."""
+        from dpu_fw.offload.launcher import OffloadServices
+
+        st = self.tb.load_state() or {}
+        nodes = self.tb.layout(st).dpu_nodes
+        return [OffloadServices(host=node.address, cpus=self.cpu_sets()[1], datasets=ds,
+                                netns=node.namespace, startup_timeout=120.0)
+                for node, ds in zip(nodes, datasets_per_dpu)]
+
+    def run_pinned(self, argv: list[str], timeout: float) -> None:
+        self.run(argv, timeout)  # `testbed run` pins the ranks to the host CPUs itself
 
 
 # ------------------------------------------------------------------------------------------------
@@ -390,6 +445,137 @@ def plot_losses(runs: dict, path: Path, title: str) -> bool:
     return True
 
 
+# ------------------------------------------------------------------------------------------------
+# --offload: augmentation and validation on the DPUs against the same training on the hosts
+# ------------------------------------------------------------------------------------------------
+def split_cpus() -> tuple[str | None, str | None]:
+    """(host CPUs, DPU CPUs): the first and second half of the CPUs we may use, like the testbed's
+    --cpu-split; (None, None) with a single CPU (nothing to split)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None, None
+    half = len(cpus) // 2
+    return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
+
+
+def write_shards(dataset: str, hosts: int, seed: int, directory: Path) -> str:
+    """One npz per host: an equal-sized, disjoint, seeded part of ``dataset``'s training split, and
+    the whole validation split. Returns the dataset spec with ``{rank}`` for the host's index.
+
+    Why files: a service streams whole epochs of a dataset; giving each host its own shard as a
+    dataset makes the DPU compute only that host's batches (no new protocol), and both sides load
+    it the same way (the DPU reads the shared disk, as it would read its own)."""
+    import numpy as np
+
+    from dpu_fw.offload.datasets import load_dataset
+
+    ds = load_dataset(dataset)
+    n = len(ds.train) // hosts
+    if n < 1:
+        raise DosaError(f"{dataset} has {len(ds.train)} training samples, too few for {hosts} hosts")
+    directory.mkdir(parents=True, exist_ok=True)
+    perm = np.random.default_rng(seed).permutation(len(ds.train))
+    for r in range(hosts):
+        idx = np.sort(perm[r::hosts][:n])
+        np.savez(directory / f"shard{r}.npz", x=ds.train.x[idx], y=ds.train.y[idx],
+                 x_val=ds.val.x, y_val=ds.val.y)
+    return f"npz:{directory.resolve()}/shard{{rank}}.npz"
+
+
+def run_offload_comparison(cluster, cfg: DemoConfig, workdir: Path,
+                           echo: Callable[[str], None]) -> dict:
+    """Start the offload services on every DPU, train ``host`` then ``offload`` in one launch of
+    dosa.demo_offload, stop the services; return summarize_offload(...) plus where things ran."""
+    import contextlib
+
+    shard_spec = write_shards(cfg.offload_dataset, cfg.hosts, cfg.seed, workdir / "offload-data")
+    specs = [shard_spec.replace("{rank}", str(r)) for r in range(cfg.hosts)]
+    per_dpu = [[s for r, s in enumerate(specs) if r % cfg.dpus == j] for j in range(cfg.dpus)]
+    host_cpus, dpu_cpus = cluster.cpu_sets()
+    json_tmpl = str(workdir / "offload-rank{rank}.json")
+    argv = [sys.executable, "-m", "dosa.demo_offload", "--shard-spec", shard_spec,
+            "--epochs", str(cfg.offload_epochs), "--batch-size", str(cfg.offload_batch_size),
+            "--hidden", str(cfg.hidden), "--seed", str(cfg.seed), "--json", json_tmpl]
+    with contextlib.ExitStack() as stack:
+        echo(f"offload: starting the augmentation and validation services on {cfg.dpus} DPU(s)"
+             f" (CPUs {dpu_cpus or 'all'}; hosts on CPUs {host_cpus or 'all'})")
+        services = [stack.enter_context(svc) for svc in cluster.offload_services(per_dpu)]
+        argv += ["--augment", ",".join(s.augment_address for s in services),
+                 "--validate", ",".join(s.validate_address for s in services)]
+        echo(f"offload: training {cfg.offload_epochs} epochs of {cfg.offload_dataset} with "
+             "augmentation + validation on the hosts, then on the DPUs")
+        cluster.run_pinned(argv, timeout=cfg.timeout)
+        addresses = [{"augment": s.augment_address, "validate": s.validate_address,
+                      "netns": s.netns} for s in services]
+    out = summarize_offload([Path(json_tmpl.replace("{rank}", str(r))) for r in range(cfg.hosts)])
+    out.update(dataset=cfg.offload_dataset, shards=shard_spec, batch_size_per_host=cfg.offload_batch_size,
+               epochs=cfg.offload_epochs, host_cpus=host_cpus, dpu_cpus=dpu_cpus, services=addresses,
+               gradients="dense Gloo allreduce in both modes (only the data path differs)")
+    return out
+
+
+def summarize_offload(rank_files: list[Path]) -> dict:
+    """Both modes over all ranks: time per epoch (median over epochs, mean over ranks), rank 0's
+    validation metrics, batches served by the DPUs vs computed on the hosts, and whether both modes
+    trained identically (they see the same batches from the same initial weights)."""
+    import statistics
+
+    per_rank = []
+    for f in rank_files:
+        try:
+            per_rank.append(json.loads(Path(f).read_text())["runs"])
+        except (OSError, ValueError, KeyError) as e:
+            raise DosaError(f"cannot read the offload training summary {f}: {e}") from None
+    modes = {}
+    for i, first in enumerate(per_rank[0]):
+        runs = [pr[i] for pr in per_rank]
+        modes[first["mode"]] = {
+            "seconds_per_epoch": sum(statistics.median(r["epoch_seconds"]) for r in runs) / len(runs),
+            "epoch_seconds_rank0": first["epoch_seconds"],
+            "total_seconds": max(r["total_seconds"] for r in runs),
+            "val_accuracy": first["val_accuracy_per_epoch"][-1] if first["val_accuracy_per_epoch"] else None,
+            "val_accuracy_per_epoch": first["val_accuracy_per_epoch"],
+            "val_loss_per_epoch": first["val_loss_per_epoch"],
+            "train_loss_last_epoch": (sum(sum(r["loss"][-r["steps_per_epoch"]:]) / r["steps_per_epoch"]
+                                          for r in runs) / len(runs)),
+            "steps_per_epoch": first["steps_per_epoch"],
+            "batches": sum(r["steps_per_epoch"] * r["epochs"] for r in runs),
+            "remote_batches": sum(r["remote_batches"] for r in runs),
+            "local_batches": sum(r["local_batches"] for r in runs),
+            "fell_back": any(r["loader_fell_back"] or r["validator_fell_back"] for r in runs),
+            "validated_on_dpu": first["validated_on_dpu"],
+            "warnings": sorted({w for r in runs for w in r["warnings"]}),
+        }
+    out: dict = {"modes": modes}
+    if "host" in modes and "offload" in modes:
+        host, off = modes["host"], modes["offload"]
+        ratio = off["seconds_per_epoch"] / host["seconds_per_epoch"]
+        out.update(ratio_offload_over_host=ratio, time_saved_pct=(1 - ratio) * 100,
+                   identical_training=all(pr[0]["loss"] == pr[1]["loss"] for pr in per_rank)
+                   and host["val_accuracy_per_epoch"] == off["val_accuracy_per_epoch"])
+    return out
+
+
+def offload_report(o: dict) -> list[str]:
+    """The --offload lines of the report."""
+    host, off = o["modes"]["host"], o["modes"]["offload"]
+    acc = lambda a: "n/a" if a is None else f"{a * 100:.2f}%"  # noqa: E731
+    rows = [f"offload ({o['dataset']}, {o['epochs']} epochs, batch {o['batch_size_per_host']}/host; "
+            f"hosts on CPUs {o['host_cpus'] or 'all'}, DPU services on CPUs {o['dpu_cpus'] or 'all'}):",
+            f"  augmentation + validation on the hosts: {host['seconds_per_epoch']:.3f} s/epoch, "
+            f"val acc {acc(host['val_accuracy'])}",
+            f"  augmentation + validation on the DPUs:  {off['seconds_per_epoch']:.3f} s/epoch, "
+            f"val acc {acc(off['val_accuracy'])}",
+            f"  offloaded/host time per epoch {o['ratio_offload_over_host']:.3f} "
+            f"({abs(o['time_saved_pct']):.1f}% {'less' if o['time_saved_pct'] >= 0 else 'more'} time); "
+            f"identical training in both modes: "
+            f"{o['identical_training']}",
+            f"  {off['remote_batches']}/{off['batches']} batches served by the DPU augmentation "
+            f"service(s), {off['local_batches']} computed on the hosts; {off['validated_on_dpu']}/"
+            f"{o['epochs']} validations on the DPU" + ("; FELL BACK to the host" if off["fell_back"] else "")]
+    return rows
+
+
 def choose_backend(requested: str) -> tuple[str, str]:
     """(backend, why). ``auto`` takes the testbed when it can run here, loopback otherwise."""
     if requested != "auto":
@@ -405,15 +591,12 @@ def choose_backend(requested: str) -> tuple[str, str]:
 
 def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     """Run the demo; returns (and writes to ``cfg.out``/demo.json) the summary."""
-    if cfg.offload:
-        raise DosaError("--offload is not available yet: the DPU offload services are not wired "
-                        "into the demo")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     backend, why = choose_backend(cfg.backend)
     echo(f"dosa demo: {cfg.hosts} hosts, {cfg.dpus} DPU(s), density {cfg.density:g}, {cfg.mode} mode, "
          f"{cfg.epochs} epochs, MLP with {cfg.numel} parameters on scikit-learn digits; "
-         f"backend {backend} ({why})")
+         f"backend {backend} ({why})" + ("; with --offload" if cfg.offload else ""))
     for stale in ("demo.json", "loss.png"):  # never leave a previous run's results looking current
         (out / stale).unlink(missing_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="dosa-demo-", dir=out))
@@ -424,8 +607,8 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     if backend == "testbed":
         echo("bringing up the testbed")
         try:
-            cluster = TestbedCluster(cfg.hosts, cfg.dpus, workdir, echo,
-                                     prefix=cfg.testbed_prefix).__enter__()
+            cluster = TestbedCluster(cfg.hosts, cfg.dpus, workdir, echo, prefix=cfg.testbed_prefix,
+                                     cpu_split=cfg.offload).__enter__()
         except DosaError as e:
             if cfg.backend != "auto":
                 raise
@@ -440,6 +623,7 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
         echo("training: dosa run first, then dense Gloo (same seed, data, initial weights)")
         cluster.run(cfg.train_argv(json_tmpl), timeout=cfg.timeout)
         dpu_stats = cluster.dpu_stats()
+        offload = run_offload_comparison(cluster, cfg, workdir, echo) if cfg.offload else None
         echo("tearing down")
     finally:
         cluster.__exit__(None, None, None)
@@ -453,7 +637,7 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
         "accuracy_gap_points": gap, "target_points": TARGET_POINTS, "within_target": gap <= TARGET_POINTS,
         "bytes_ratio_dense_over_dosa": (dense["bytes_per_step"] / dosa["bytes_per_step"]
                                         if dosa["bytes_per_step"] else math.inf),
-        "runs": runs, "dpu_stats": dpu_stats,
+        "runs": runs, "dpu_stats": dpu_stats, "offload": offload,
     }
     (out / "demo.json").write_text(json.dumps(summary, indent=1))
     plotted = plot_losses(runs, out / "loss.png",
@@ -491,4 +675,6 @@ def format_report(s: dict) -> str:
                     f"{sum(h['retransmissions'] for h in hooks)} retransmissions (all hosts)")
     d = s["runs"]["dosa"]
     rows.append(f"bytes: dosa = {d['bytes_method']}; dense = {s['runs']['dense']['bytes_method']}")
+    if s.get("offload"):
+        rows.extend(offload_report(s["offload"]))
     return "\n".join(rows)

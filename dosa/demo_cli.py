@@ -20,8 +20,14 @@ def register(sub) -> None:
     p.add_argument("--out", default="out/demo", help="directory for demo.json and loss.png")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="testbed (namespaces, root), loopback (userspace DPU workers), auto")
-    p.add_argument("--offload", action="store_true", help="also offload augmentation/validation to "
-                   "the DPUs (not available yet)")
+    p.add_argument("--offload", action="store_true", help="also train with augmentation and "
+                   "validation on the DPUs (services pinned to the DPU CPUs) and compare the time per "
+                   "epoch with the same training doing both on the hosts")
+    p.add_argument("--offload-dataset", default=DemoConfig.offload_dataset,
+                   help="dataset spec of the --offload training (see docs/offload.md)")
+    p.add_argument("--offload-epochs", type=int, default=DemoConfig.offload_epochs)
+    p.add_argument("--offload-batch-size", type=int, default=DemoConfig.offload_batch_size,
+                   help="per host")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the training runs")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_demo)
@@ -33,7 +39,8 @@ def cmd_demo(args) -> int:
     cfg = DemoConfig(hosts=args.hosts, dpus=args.dpus, density=args.density, epochs=args.epochs,
                      batch_size=args.batch_size, warmup_steps=args.warmup_steps, seed=args.seed,
                      out=args.out, backend=args.backend, mode=args.mode, offload=args.offload,
-                     timeout=args.timeout)
+                     timeout=args.timeout, offload_dataset=args.offload_dataset,
+                     offload_epochs=args.offload_epochs, offload_batch_size=args.offload_batch_size)
     summary = run_demo(cfg, echo=(lambda line: None) if args.json else print)
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "runs"}
