@@ -114,7 +114,10 @@ class ControlService:
         self.control_port = control_port
         self.peer_timeout = peer_timeout
         self.jobs: dict[int, Job] = {}
-        self._cv = threading.Condition()
+        # _cv guards the registry (held briefly, never across a call to another DPU) and wakes
+        # rendezvous waiters; _op serialises this server's fan-outs to the DPUs of a job
+        self._cv = threading.Condition(threading.RLock())
+        self._op = threading.Lock()
         self.state_path = state_path
         self._load()
 
@@ -195,55 +198,65 @@ class ControlService:
     def _peer(self, address: str, method: str, path: str, body: dict | None = None) -> dict:
         return request(f"{address}:{self.control_port}", method, path, body, timeout=self.peer_timeout)
 
-    def _on_all_dpus(self, job: Job, local_fn, method: str, path: str, body: dict | None):
-        for i, (a, _) in enumerate(job.dpus):
-            if a == self.address:
-                local_fn(i)
-            else:
-                try:
-                    self._peer(a, method, path, dict(body or {}, dpu_index=i))
-                except DosaError as e:
-                    raise ApiError(502, f"DPU {i} ({a}) refused: {e}") from None
-
-    def _install_job(self, job: Job) -> None:
-        """Install on every DPU; when one refuses, remove it from those that accepted (a job is
-        on all its DPUs or on none)."""
-        body = {"job_id": job.job_id, "workers": job.workers, "numel": job.numel,
-                "partition_size": job.partition_size, "num_dpus": len(job.dpus),
-                "scale_exp": job.scale_exp, "mode": job.mode, "port": job.port}
+    def _on_all_dpus(self, job: Job, local_fn, method: str, path: str, body: dict | None,
+                     undo=None) -> None:
+        """Run one step on every DPU of the job: this one by ``local_fn(i)``, the others by
+        ``method path body`` on their servers. With ``undo(i, address)``, a refusal undoes the step
+        on the DPUs that had done it (all or nothing); without, the step stops at the refusal
+        (removals, which are idempotent: the caller may retry)."""
         done = []
         try:
             for i, (a, _) in enumerate(job.dpus):
                 if a == self.address:
-                    self.local_install_job(dict(body, dpu_index=i))
+                    local_fn(i)
                 else:
                     try:
-                        self._peer(a, "POST", "/v1/local/jobs", dict(body, dpu_index=i))
+                        self._peer(a, method, path, dict(body or {}, dpu_index=i))
                     except DosaError as e:
                         st = getattr(e, "status", 502)
                         raise ApiError(st if st in (409, 507) else 502, f"DPU {i} ({a}) refused: {e}") from None
-                done.append(a)
+                done.append((i, a))
         except ApiError:
-            for a in done:
+            for i, a in reversed(done if undo is not None else []):
                 try:
-                    if a == self.address:
-                        self.local_remove_job(job.job_id)
-                    else:
-                        self._peer(a, "DELETE", f"/v1/local/jobs/{job.job_id}")
+                    undo(i, a)
                 except DosaError:
-                    pass
+                    pass  # unreachable now: the job's removal or a restart of that DPU clears it
             raise
+
+    def _job_body(self, job: Job) -> dict:
+        """The job as every DPU's registry keeps it (the same view hosts get, plus ``num_dpus``):
+        a DPU worker asking its own control plane must learn density, mode, DPUs and hosts."""
+        body = job.view()
+        for k in ("complete", "num_partitions", "worker_id"):
+            body.pop(k, None)
+        body["num_dpus"] = len(job.dpus)
+        return body
+
+    def _install_job(self, job: Job) -> None:
+        """Install on every DPU (dataplane in XDP mode, registry in both modes); when one refuses,
+        remove it from those that accepted (a job is on all its DPUs or on none)."""
+        def undo(i, a):
+            if a == self.address:
+                self._remove_job_here(job.job_id)
+            else:
+                self._peer(a, "DELETE", f"/v1/local/jobs/{job.job_id}")
+
+        self._on_all_dpus(job, lambda i: self._install_job_here(job, i), "POST", "/v1/local/jobs",
+                          self._job_body(job), undo)
 
     # ------------------------------------------------------------------------------------ requests
     def create_job(self, req: dict) -> dict:
         job = self._parse_job(req, "port")
-        with self._cv:
-            if job.job_id in self.jobs:
-                raise ApiError(409, f"job {job.job_id} already exists")
+        with self._op:
+            with self._cv:
+                if job.job_id in self.jobs:
+                    raise ApiError(409, f"job {job.job_id} already exists")
             self._install_job(job)
-            self.jobs[job.job_id] = job
-            self._save()
-            return job.view()
+            with self._cv:
+                self.jobs[job.job_id] = job
+                self._save()
+                return job.view()
 
     def join(self, req: dict) -> dict:
         if not isinstance(req, dict):
@@ -253,38 +266,61 @@ class ControlService:
         wait = req.get("wait", 0)
         if not isinstance(wait, (int, float)) or not 0 <= wait <= 3600:
             raise _bad(f"wait must be 0..3600 seconds, got {wait!r}")
-        with self._cv:
-            job = self.jobs.get(job_id)
+        # _op: one fan-out at a time from this server (HTTP to peers happens under it, never under
+        # _cv, which every server's /v1/local/* handlers take: two DPUs coordinating joins at once
+        # cannot deadlock each other)
+        with self._op:
+            with self._cv:
+                job = self.jobs.get(job_id)
             if job is None:
                 if "numel" not in req or "workers" not in req:
                     raise ApiError(404, f"job {job_id} does not exist (a first joiner must give numel "
                                         "and workers to create it)")
                 job = self._parse_job(req)
                 self._install_job(job)
-                self.jobs[job_id] = job
+                with self._cv:
+                    self.jobs[job_id] = job
+                    self._save()
             else:
                 self._same_shape(job, req)
             port = _int(req, "port", 1, 65535, job.port)
-            wid = req.get("worker_id", req.get("rank"))
-            if wid is None:
-                free = [w for w in range(job.workers) if w not in job.members]
-                mine = [w for w, m in job.members.items() if m == (address, port)]
-                if mine:
-                    wid = mine[0]
-                elif not free:
-                    raise ApiError(409, f"job {job_id} is full: all {job.workers} workers have joined")
-                else:
-                    wid = free[0]
-            if isinstance(wid, bool) or not isinstance(wid, int) or not 0 <= wid < job.workers:
-                raise _bad(f"worker id {wid!r} outside 0..{job.workers - 1} for job {job_id}")
-            have = job.members.get(wid)
+            with self._cv:
+                wid = req.get("worker_id", req.get("rank"))
+                if wid is None:
+                    free = [w for w in range(job.workers) if w not in job.members]
+                    mine = [w for w, m in job.members.items() if m == (address, port)]
+                    if mine:
+                        wid = mine[0]
+                    elif not free:
+                        raise ApiError(409, f"job {job_id} is full: all {job.workers} workers have joined")
+                    else:
+                        wid = free[0]
+                if isinstance(wid, bool) or not isinstance(wid, int) or not 0 <= wid < job.workers:
+                    raise _bad(f"worker id {wid!r} outside 0..{job.workers - 1} for job {job_id}")
+                have = job.members.get(wid)
             if have is not None and have != (address, port) and not req.get("replace"):
                 raise ApiError(409, f"worker {wid} of job {job_id} already joined from {have[0]}:{have[1]}")
             flow = {"job_id": job_id, "worker_id": wid, "address": address, "port": port}
-            self._on_all_dpus(job, lambda i: self.local_install_flow(flow), "POST", "/v1/local/flows", flow)
-            job.members[wid] = (address, port)
-            self._save()
-            self._cv.notify_all()
+            old = None if have is None else dict(flow, address=have[0], port=have[1])
+
+            def undo(i, a):  # put back what the DPU had before this join
+                if a == self.address:
+                    if old is None:
+                        self.local_remove_flow(job_id, wid)
+                    else:
+                        self.local_install_flow(old)
+                elif old is None:
+                    self._peer(a, "DELETE", f"/v1/local/flows/{job_id}/{wid}")
+                else:
+                    self._peer(a, "POST", "/v1/local/flows", dict(old, dpu_index=i))
+
+            self._on_all_dpus(job, lambda i: self.local_install_flow(flow), "POST", "/v1/local/flows",
+                              flow, undo)
+            with self._cv:
+                job.members[wid] = (address, port)  # already there when this server is a DPU of the job
+                self._save()
+                self._cv.notify_all()
+        with self._cv:
             deadline = time.monotonic() + wait
             while wait and len(job.members) < job.workers:
                 left = deadline - time.monotonic()
@@ -298,15 +334,17 @@ class ControlService:
     def leave(self, req: dict) -> dict:
         job_id = _int(req, "job_id", 1, 2**32 - 1)
         wid = _int(req, "worker_id", 0, wire.MAX_WORKERS - 1)
-        with self._cv:
-            job = self._job(job_id)
-            if wid not in job.members:
-                raise ApiError(404, f"worker {wid} is not a member of job {job_id}")
+        with self._op:
+            with self._cv:
+                job = self._job(job_id)
+                if wid not in job.members:
+                    raise ApiError(404, f"worker {wid} is not a member of job {job_id}")
             self._on_all_dpus(job, lambda i: self.local_remove_flow(job_id, wid), "DELETE",
                               f"/v1/local/flows/{job_id}/{wid}", None)
-            del job.members[wid]
-            self._save()
-            return job.view()
+            with self._cv:
+                job.members.pop(wid, None)
+                self._save()
+                return job.view()
 
     def _job(self, job_id: int) -> Job:
         job = self.jobs.get(job_id)
@@ -323,66 +361,123 @@ class ControlService:
             return {"jobs": [j.view() for j in self.jobs.values()]}
 
     def remove_job(self, job_id: int) -> dict:
-        with self._cv:
-            job = self._job(job_id)
-            self._on_all_dpus(job, lambda i: self.local_remove_job(job_id), "DELETE",
+        with self._op:
+            with self._cv:
+                job = self._job(job_id)
+            self._on_all_dpus(job, lambda i: self._remove_job_here(job_id), "DELETE",
                               f"/v1/local/jobs/{job_id}", None)
-            del self.jobs[job_id]
-            self._save()
-            return {"removed": job_id}
+            with self._cv:
+                self.jobs.pop(job_id, None)
+                self._save()
+                return {"removed": job_id}
 
     def stats(self) -> dict:
         if self.controller is None:
-            return {"mode": "userspace", "jobs": [j.view() for j in self.jobs.values()]}
+            return {"mode": "userspace", "jobs": self.list_jobs()["jobs"]}
         return self.controller.stats()
 
     # ------------------------------------------------------------------------ this DPU's dataplane
+    # and registry: what /v1/local/* does, and what a coordinating server does for itself. Every DPU
+    # of a job keeps the job (and its members) in its registry, in both modes, so its DPU worker
+    # learns the whole job from its own control plane.
+    def _install_job_here(self, job: Job, dpu_index: int) -> None:
+        with self._cv:
+            have = self.jobs.get(job.job_id)
+            if have is not None and have is not job:
+                raise ApiError(409, f"job {job.job_id} already exists on DPU {self.address}")
+            if self.controller is not None:
+                try:
+                    self.controller.add_job(job.job_id, workers=job.workers, numel=job.numel,
+                                            partition_size=job.partition_size, num_dpus=len(job.dpus),
+                                            dpu_index=dpu_index, scale_exp=job.scale_exp, mode=job.mode,
+                                            port=job.port)
+                except AdmissionError as e:
+                    raise ApiError(507, str(e)) from None
+                except DosaError as e:
+                    raise ApiError(409, str(e)) from None
+            self.jobs[job.job_id] = job
+            self._save()
+
+    def _remove_job_here(self, job_id: int) -> None:
+        with self._cv:
+            self.jobs.pop(job_id, None)
+            if self.controller is not None:
+                try:
+                    self.controller.remove_job(job_id)
+                except DosaError:
+                    pass  # already gone: removal is idempotent
+            self._save()
+            self._cv.notify_all()
+
     def local_install_job(self, req: dict) -> dict:
-        if self.controller is None:
-            return {"installed": False}
-        try:
-            self.controller.add_job(
-                _int(req, "job_id", 1, 2**32 - 1), workers=_int(req, "workers", 1, wire.MAX_WORKERS),
-                numel=_int(req, "numel", 1, 2**32 - 1), partition_size=_int(req, "partition_size", 1, 2**32 - 1),
-                num_dpus=_int(req, "num_dpus", 1, 1 << 16), dpu_index=_int(req, "dpu_index", 0, 1 << 16),
-                scale_exp=_int(req, "scale_exp", -128, 127), mode=req.get("mode", "sum"),
-                port=_int(req, "port", 1, 65535))
-        except AdmissionError as e:
-            raise ApiError(507, str(e)) from None
-        except ApiError:
-            raise
-        except DosaError as e:
-            raise ApiError(409, str(e)) from None
-        return {"installed": True}
+        """A peer installs a job here. The body is the job's full view (``_job_body``) plus this
+        DPU's ``dpu_index``."""
+        if not isinstance(req.get("dpus"), list) or not req["dpus"]:
+            raise _bad("a job installed on a DPU must list the job's dpus")
+        job = self._parse_job(req, "port")
+        idx = _int(req, "dpu_index", 0, len(job.dpus) - 1)
+        if _int(req, "num_dpus", 1, 1 << 16, len(job.dpus)) != len(job.dpus):
+            raise _bad(f"num_dpus {req['num_dpus']} differs from the {len(job.dpus)} dpus listed")
+        job.members = self._parse_hosts(req.get("hosts") or [], job)
+        self._install_job_here(job, idx)
+        return {"installed": True, "dataplane": self.controller is not None}
+
+    @staticmethod
+    def _parse_hosts(hosts, job: Job) -> dict:
+        if not isinstance(hosts, list):
+            raise _bad("hosts must be a list of {worker_id, address, port} objects")
+        out = {}
+        for h in hosts:
+            if not isinstance(h, dict):
+                raise _bad("hosts must be a list of {worker_id, address, port} objects")
+            out[_int(h, "worker_id", 0, job.workers - 1)] = (_addr(h.get("address"), "host address"),
+                                                            _int(h, "port", 1, 65535))
+        return out
 
     def local_install_flow(self, req: dict) -> dict:
-        if self.controller is None:
-            return {"installed": False}
-        try:
-            self.controller.add_worker(_int(req, "job_id", 1, 2**32 - 1), _int(req, "worker_id", 0, 63),
-                                       _addr(req.get("address"), "address"), _int(req, "port", 1, 65535))
-        except AdmissionError as e:
-            raise ApiError(507, str(e)) from None
-        except ApiError:
-            raise
-        except DosaError as e:
-            raise ApiError(404, str(e)) from None
-        return {"installed": True}
+        """Record the member in the registry first, then the flow in the dataplane: a worker that
+        sees the flows complete in the maps finds the registry complete too."""
+        job_id = _int(req, "job_id", 1, 2**32 - 1)
+        wid = _int(req, "worker_id", 0, wire.MAX_WORKERS - 1)
+        member = (_addr(req.get("address"), "address"), _int(req, "port", 1, 65535))
+        with self._cv:
+            job = self.jobs.get(job_id)
+            if job is None and self.controller is None:
+                raise ApiError(404, f"job {job_id} is not installed on DPU {self.address}")
+            if job is not None and wid >= job.workers:
+                raise _bad(f"worker id {wid} outside 0..{job.workers - 1} for job {job_id}")
+            old = job.members.get(wid) if job is not None else None
+            if job is not None:
+                job.members[wid] = member
+            if self.controller is not None:
+                try:
+                    self.controller.add_worker(job_id, wid, *member)
+                except DosaError as e:
+                    if job is not None:  # put the registry back as it was
+                        if old is None:
+                            job.members.pop(wid, None)
+                        else:
+                            job.members[wid] = old
+                    raise ApiError(507 if isinstance(e, AdmissionError) else 404, str(e)) from None
+            self._save()
+            self._cv.notify_all()
+        return {"installed": True, "dataplane": self.controller is not None}
 
     def local_remove_flow(self, job_id: int, worker_id: int) -> dict:
-        if self.controller is not None:
-            try:
-                self.controller.remove_worker(job_id, worker_id)
-            except DosaError:
-                pass  # already gone: removal is idempotent
+        with self._cv:
+            job = self.jobs.get(job_id)
+            if job is not None:
+                job.members.pop(worker_id, None)
+            if self.controller is not None:
+                try:
+                    self.controller.remove_worker(job_id, worker_id)
+                except DosaError:
+                    pass  # already gone: removal is idempotent
+            self._save()
         return {"removed": True}
 
     def local_remove_job(self, job_id: int) -> dict:
-        if self.controller is not None:
-            try:
-                self.controller.remove_job(job_id)
-            except DosaError:
-                pass
+        self._remove_job_here(job_id)
         return {"removed": True}
 
 
