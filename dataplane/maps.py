@@ -241,11 +241,16 @@ class DataplaneMaps:
         base = int(ps["base_round"])
         return base <= round <= base + 1 and int(ps["workers_done"][round & 1]) >= j.workers
 
-    def advance(self, job_id: int, partition: int, completed_round: int) -> bool:
+    def advance(self, job_id: int, partition: int, completed_round: int, nonzero=None) -> bool:
         """Round ``completed_round`` of ``partition`` is complete: clear the buffer, dedup bitmaps and
         counters of the previous round's parity and set base_round = completed_round (docs/protocol.md,
         *Rounds*). Call it BEFORE sending the result of completed_round. Idempotent: returns False
-        (and touches nothing) when base_round is already >= completed_round."""
+        (and touches nothing) when base_round is already >= completed_round.
+
+        ``nonzero``: offsets (from the partition's first index) of every non-zero entry of the
+        buffer being cleared, when the caller knows them (the DPU worker extracted them for the
+        result): only those are zeroed. A 25M-entry job's buffers are 200 MB a round; its non-zeros
+        a few MB. None zeroes the whole buffer."""
         j = self._job(job_id)
         i = self._ps_index(j, partition)
         base = int(self.pstate["base_round"][i])
@@ -257,12 +262,16 @@ class DataplaneMaps:
         par = base & 1
         # base first: from now on a late copy of round `base` is too_old and touches nothing we clear
         self.pstate["base_round"][i] = completed_round
-        self._clear_parity(j, partition, par)
+        self._clear_parity(j, partition, par, nonzero)
         return True
 
-    def _clear_parity(self, j: JobInfo, partition: int, par: int) -> None:
+    def _clear_parity(self, j: JobInfo, partition: int, par: int, nonzero=None) -> None:
         i = self._ps_index(j, partition)
-        self.buffer(j.job_id, partition, par, job=j)[:] = 0
+        buf = self.buffer(j.job_id, partition, par, job=j)
+        if nonzero is None:
+            buf[:] = 0
+        else:
+            buf[nonzero] = 0
         self.wstate[self._ws_slice(j, partition, par)] = 0
         self.pstate["workers_done"][i, par] = 0
         self.pstate["scale_tag"][i, par] = 0

@@ -42,8 +42,69 @@ def _inputs(numel: int, density: float, workers: int, seed: int, rnd: int, w: in
     return idx, q
 
 
+def _workdir_inputs(workdir: Path, rank: int, workers: int):
+    """This rank's input from host_lib.bench's work folder (the baselines' exact top-k, ``idx{r}``
+    / ``val{r}``), quantized with the scale exponent every rank derives from the largest |value| of
+    all ranks (so all agree), plus the exact fixed-point reference of the sum, computed once.
+    Returns (idx u32, q i32, scale_exp, ref_idx i64, ref_sum i64)."""
+    from host_lib.quantize import choose_scale_exp, quantize
+
+    vals = [np.load(workdir / f"val{r}.npy") for r in range(workers)]
+    m = max((float(np.abs(v).max()) for v in vals if len(v)), default=0.0)
+    s = choose_scale_exp(m, workers)
+    idxs = [np.load(workdir / f"idx{r}.npy").astype(np.int64) for r in range(workers)]
+    qs = [quantize(v, s, workers)[0] for v in vals]
+    allidx = np.concatenate(idxs)
+    uniq, inv = np.unique(allidx, return_inverse=True)
+    tot = np.zeros(len(uniq), np.int64)
+    np.add.at(tot, inv, np.concatenate(qs).astype(np.int64))
+    nz = tot != 0
+    mine = qs[rank] != 0  # a zero after quantization is not sent (the DPU would not see it either)
+    return (idxs[rank][mine].astype(np.uint32), qs[rank][mine].astype(np.int32), s,
+            uniq[nz], tot[nz])
+
+
+def _random_inputs(numel: int, density: float, workers: int, seed: int, rank: int):
+    """Fallback without a work folder: uniform random indices (uncorrelated hosts)."""
+    data = [_inputs(numel, density, workers, seed, 0, w) for w in range(workers)]
+    allidx = np.concatenate([d[0] for d in data]).astype(np.int64)
+    uniq, inv = np.unique(allidx, return_inverse=True)
+    tot = np.zeros(len(uniq), np.int64)
+    np.add.at(tot, inv, np.concatenate([d[1] for d in data]).astype(np.int64))
+    nz = tot != 0
+    return data[rank][0], data[rank][1], 0, uniq[nz], tot[nz]
+
+
+def _check(mode: str, ridx, sums, ref_idx, ref_sum, job) -> bool:
+    """Is (ridx, sums) exactly the job's answer? sum: every non-zero sum. gtopk: every returned sum
+    is the exact one, and per partition exactly min(k, non-zeros) of the largest |sum| came back."""
+    ridx = np.asarray(ridx, np.int64)
+    sums = np.asarray(sums, np.int64)
+    if mode == "sum":
+        return bool(np.array_equal(ridx, ref_idx) and np.array_equal(sums, ref_sum))
+    if len(ridx) and (np.any(np.diff(ridx) <= 0)):
+        return False
+    pos = np.searchsorted(ref_idx, ridx)
+    if len(ridx) and (pos.max() >= len(ref_idx) or not np.array_equal(ref_idx[pos], ridx)
+                      or not np.array_equal(ref_sum[pos], sums)):
+        return False
+    pm = job.pmap
+    P, ps = pm.num_partitions, pm.partition_size
+    lens = np.minimum(ps, job.numel - np.arange(P) * ps)
+    want = np.minimum(job.gtopk_k(lens), np.bincount(ref_idx // ps, minlength=P))
+    if not np.array_equal(np.bincount(ridx // ps, minlength=P), want):
+        return False
+    left = np.ones(len(ref_idx), bool)
+    left[pos] = False
+    lo_in = np.full(P, np.iinfo(np.int64).max)
+    np.minimum.at(lo_in, ridx // ps, np.abs(sums))
+    hi_out = np.full(P, -1)
+    np.maximum.at(hi_out, ref_idx[left] // ps, np.abs(ref_sum[left]))
+    return bool(np.all(hi_out <= lo_in))
+
+
 def host_main(argv=None) -> int:
-    """One rank: join, run rounds, write ``<out>/rank<RANK>.json``."""
+    """One rank: join, run rounds, check every round's result, write ``<out>/rank<RANK>.json``."""
     ap = argparse.ArgumentParser(prog="python -m dpu_fw.bench --host")
     ap.add_argument("--host", action="store_true")
     ap.add_argument("--numel", type=int, required=True)
@@ -52,39 +113,43 @@ def host_main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--mode", default="sum")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--inputs", default=None, help="host_lib.bench work folder (idx{r}/val{r}.npy)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--retx-interval", type=float, default=0.25)
+    ap.add_argument("--window", type=int, default=256)
     a = ap.parse_args(argv)
     from host_lib.client import AggregationClient
 
     rank = int(os.environ.get("RANK", "0"))
     workers = int(os.environ.get("WORLD_SIZE", "1"))
-    rec = {"rank": rank, "round_s": [], "sent": [], "received": [], "verified": None}
+    rec = {"rank": rank, "round_s": [], "sent": [], "received": [], "verified": None,
+           "rounds_checked": 0, "rounds_wrong": 0, "retx_per_round": []}
+    if a.inputs:
+        idx, q, scale, ref_idx, ref_sum = _workdir_inputs(Path(a.inputs), rank, workers)
+    else:
+        idx, q, scale, ref_idx, ref_sum = _random_inputs(a.numel, a.density, workers, a.seed, rank)
     try:
         with AggregationClient.from_env(a.numel, timeout=a.timeout, retx_interval=a.retx_interval,
+                                        window=a.window,
                                         join={"mode": a.mode, "density": a.density,
-                                              "scale_exp": 0, "wait": 120}) as c:
-            data = [_inputs(a.numel, a.density, workers, a.seed, r, rank) for r in range(2)]
+                                              "scale_exp": int(scale), "wait": 120}) as c:
+            rec["multicast"] = c.multicast_group is not None
             for r in range(a.warmup + a.rounds):
-                idx, q = data[r % 2]
-                s0, r0 = c.ep.sent_bytes, c.ep.recv_bytes
+                s0, r0, x0 = c.ep.sent_bytes, c.ep.recv_bytes, c.retransmissions
                 t0 = time.perf_counter()
-                ridx, sums = c.allreduce_sparse(idx, q, 0)
+                ridx, sums = c.allreduce_sparse(idx, q, scale)
                 dt = time.perf_counter() - t0
-                if r == 0 and rank == 0 and a.mode == "sum":
-                    total = np.zeros(a.numel, np.int64)
-                    for w in range(workers):
-                        i, v = _inputs(a.numel, a.density, workers, a.seed, 0, w)
-                        np.add.at(total, i.astype(np.int64), v.astype(np.int64))
-                    nz = np.flatnonzero(total)
-                    rec["verified"] = bool(np.array_equal(ridx.astype(np.int64), nz)
-                                           and np.array_equal(sums.astype(np.int64), total[nz]))
+                ok = _check(a.mode, ridx, sums, ref_idx, ref_sum, c.job)
+                rec["rounds_checked"] += 1
+                rec["rounds_wrong"] += 0 if ok else 1
                 if r >= a.warmup:
                     rec["round_s"].append(dt)
                     rec["sent"].append(c.ep.sent_bytes - s0)
                     rec["received"].append(c.ep.recv_bytes - r0)
-            rec["entries_sent"] = int(len(data[0][0]))
+                    rec["retx_per_round"].append(c.retransmissions - x0)
+            rec["verified"] = rec["rounds_wrong"] == 0
+            rec["entries_sent"] = int(len(idx))
             rec["result_entries"] = int(len(ridx))
             rec["retransmissions"] = c.retransmissions
     except DosaError as e:
@@ -111,7 +176,11 @@ def _services(pool_slots: int):
     return fn
 
 
-def _run_path(path: str, args, out_dir: Path) -> dict:
+def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> dict:
+    """Run one dosa path (``xdp`` or ``userspace``) on its own testbed, shaped like the baselines'
+    (``args.link_rate`` on the host links, ``cpu_split``: hosts on one core, the DPU on the other),
+    every host reading its input from ``workdir`` (host_lib.bench's work folder) when given.
+    Every round's result is checked against the exact reference on every host."""
     from dosa.wire import DEFAULT_PARTITION_SIZE, PartitionMap
     from testbed.core import Testbed
 
@@ -123,12 +192,22 @@ def _run_path(path: str, args, out_dir: Path) -> dict:
     res_dir = out_dir / path
     res_dir.mkdir(parents=True, exist_ok=True)
     t_up = time.monotonic()
-    tb.up(args.hosts, args.dpus, mode=path)
+    link_rate = getattr(args, "link_rate", None)
+    # the baselines pin hosts to one core and the DPU to the other when they run on a testbed
+    cpu_split = getattr(args, "cpu_split", None)
+    cpu_split = bool(getattr(args, "testbed", True) if cpu_split is None else cpu_split)
+    tb.up(args.hosts, args.dpus, mode=path, link_rate=link_rate, cpu_split=cpu_split,
+          shape_dpus=bool(getattr(args, "shape_dpus", False)))
     try:
         up_s = time.monotonic() - t_up
         argv = [sys.executable, "-m", "dpu_fw.bench", "--host", "--numel", str(args.numel),
                 "--density", str(args.density), "--rounds", str(args.rounds), "--warmup",
                 str(args.warmup), "--mode", args.mode, "--out", str(res_dir)]
+        if workdir is not None:
+            argv += ["--inputs", str(workdir)]
+        for opt in ("retx_interval", "window"):
+            if getattr(args, opt, None) is not None:
+                argv += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
         run = tb.run(argv, timeout=args.timeout, echo=False, log_dir=res_dir / "logs")
         if run.timed_out:
             raise DosaError(f"{path} path: hosts did not finish in {args.timeout} s "
@@ -153,7 +232,14 @@ def _run_path(path: str, args, out_dir: Path) -> dict:
         "entries_sent_per_host": ranks[0]["entries_sent"],
         "result_entries": ranks[0]["result_entries"],
         "retransmissions": [r["retransmissions"] for r in ranks],
+        "retransmissions_per_round": [r["retx_per_round"] for r in ranks],
         "verified_round0": ranks[0]["verified"],
+        "verified_all_rounds": all(r["verified"] for r in ranks),
+        "rounds_checked": sum(r["rounds_checked"] for r in ranks),
+        "rounds_wrong": sum(r["rounds_wrong"] for r in ranks),
+        "multicast": all(r.get("multicast") for r in ranks),
+        "inputs": "work folder" if workdir is not None else "uniform random",
+        "link_rate": link_rate, "cpu_split": cpu_split,
         "testbed_up_s": up_s,
     }
 
@@ -185,7 +271,7 @@ def run_bench(args) -> int:
         print(f"dosa_{p:<10} median round {m['median_round_s'] * 1e3:8.1f} ms   per host: sent "
               f"{statistics.median(m['bytes_sent_per_host']) / mb:7.2f} MB, received "
               f"{statistics.median(m['bytes_received_per_host']) / mb:7.2f} MB   "
-              f"verified={m['verified_round0']}")
+              f"verified (every round, every host)={m['verified_all_rounds']}")
     if "dosa_xdp" in report["methods"] and "dosa_userspace" in report["methods"]:
         ratio = report["methods"]["dosa_userspace"]["median_round_s"] / \
             report["methods"]["dosa_xdp"]["median_round_s"]

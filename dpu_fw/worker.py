@@ -28,7 +28,7 @@ from dosa import wire
 from dosa.errors import DosaError
 from dosa.wire import HEADER_DTYPE, Flags, PacketBatch, PacketType
 from host_lib.packetizer import packetize_partition_result, packetize_results, parse_batch
-from host_lib.transport import JobConfig, UdpEndpoint, addr_arrays
+from host_lib.transport import JobConfig, UdpEndpoint, addr_arrays, multicast_group
 
 from . import _merge
 from .userspace import DUP_OF_COMPLETE, VERDICTS, MergeState, top_k_abs
@@ -60,6 +60,11 @@ class JobRuntime:
         self.k = job.gtopk_k(self.hi - self.lo)
         self.pmap = pmap
         self.host_ip, self.host_port = addr_arrays(job.hosts)
+        # one send per result packet to the job's group (the fabric replicates it), else unicast
+        # fan-out; a failing group send falls back to fan-out for good (see _fan_out)
+        self.group = multicast_group(job)
+        if self.group is not None:
+            self.group_ip, self.group_port = addr_arrays([self.group])
         self.backend = backend
         self.shadow: dict[tuple[int, int], tuple[PacketBatch, np.ndarray]] = {}
         self.saturated = 0
@@ -126,7 +131,20 @@ class JobRuntime:
             self._emitted[(lp, rnd)] = now
         if len(self._emitted) > 65536:
             self._emitted = {k: v for k, v in self._emitted.items() if now - v < ANSWER_GUARD}
+        self._fan_out(batch, ep)
+
+    def _fan_out(self, batch: PacketBatch, ep: UdpEndpoint) -> None:
+        """Every packet of ``batch`` to every host: once to the job's multicast group, or (no group,
+        or sending to it failed) to each host in turn."""
         n, h = len(batch), len(self.host_ip)
+        if self.group is not None:
+            try:
+                ep.send(batch, np.arange(n), np.full(n, self.group_ip[0]), np.full(n, self.group_port[0]))
+                return
+            except (OSError, DosaError) as e:
+                log.warning("job %d: multicast to %s:%d failed (%s); unicast fan-out from now on",
+                            self.job.job_id, *self.group, e)
+                self.group = None
         rows = np.repeat(np.arange(n), h)  # packet-major: each packet to every host in turn
         ep.send(batch, rows, np.tile(self.host_ip, n), np.tile(self.host_port, n))
 
@@ -231,6 +249,12 @@ class DpuWorker:
             for j in jobs:
                 self.add_job(j)
             self.ep = UdpEndpoint(bind)
+            try:
+                self.ep.set_multicast_source(bind[0])
+            except DosaError as e:
+                log.warning("%s: results go by unicast fan-out", e)
+                for rt in self.jobs.values():
+                    rt.group = None
         except BaseException:
             if self.maps is not None:
                 self.maps.close()

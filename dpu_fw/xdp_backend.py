@@ -95,7 +95,14 @@ class XdpBackend:
         return tag - self.bias if tag else 0
 
     def advance(self, lp: int, rnd: int, nonzero) -> None:
-        self.maps.advance(self.job_id, int(self.owned[lp]), rnd)
+        """``nonzero``: the global indices of the cleared round that were non-zero (the worker
+        extracted them for its result): only those entries are zeroed, not the whole partition
+        buffer (None, e.g. after a restart lost the shadow copy: the whole buffer)."""
+        p = int(self.owned[lp])
+        local = None
+        if nonzero is not None:
+            local = np.asarray(nonzero, np.int64) - p * self.info.partition_size
+        self.maps.advance(self.job_id, p, rnd, local)
 
     def flush(self) -> None:
         pass

@@ -30,7 +30,7 @@ from dosa.wire import Flags, HEADER_DTYPE, PacketBatch, PacketType
 
 from .packetizer import packetize, parse_batch
 from .quantize import choose_scale_exp, clip_bound, dequantize, quantize
-from .transport import JobConfig, UdpEndpoint, addr_arrays
+from .transport import JobConfig, UdpEndpoint, addr_arrays, multicast_group
 
 RETX_ALL = np.zeros(0, np.uint32)
 
@@ -129,6 +129,17 @@ class AggregationClient:
         self.initial_scale_exp = job.scale_exp
         self.density = job.density if density is None else float(density)
         self.ep = UdpEndpoint(bind or job.hosts[worker_id])
+        # results come once per packet to the job's group when the fabric allows it (the DPU
+        # derives the same group from the job); retransmitted results still come by unicast
+        self.multicast_group = multicast_group(job) if bind is None else None
+        if self.multicast_group is not None:
+            try:
+                self.ep.join_group(*self.multicast_group, job.hosts[worker_id][0])
+            except DosaError as e:
+                import logging
+
+                logging.getLogger("dosa.host").warning("%s; results will need retransmission", e)
+                self.multicast_group = None
         self.dpu_table = addr_arrays(job.dpus)
         self._dpu_ip_of = {int(ip): d for d, ip in enumerate(self.dpu_table[0])}
         self._encoder: _TopK | None = None

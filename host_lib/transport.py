@@ -8,7 +8,10 @@ Addresses are kept as arrays (IPv4 and port in network order, one row per host o
 from __future__ import annotations
 
 import json
+import os
+import select
 import socket
+import struct
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -127,6 +130,30 @@ class JobConfig:
             json.dump(self.to_dict(), f, indent=1)
 
 
+#: First address of the per-job result groups (administratively scoped, RFC 2365): job j's group
+#: is 239.77.(j >> 8 & 255).(j & 255). Not part of the wire protocol: both ends derive it from the
+#: job, like the partition map. ``DOSA_MULTICAST=0`` (set on hosts AND DPU workers) turns it off.
+MULTICAST_PREFIX = (239, 77)
+
+
+def multicast_group(job: "JobConfig") -> tuple[str, int] | None:
+    """The (group, port) a DPU sends this job's results to once, or None for unicast fan-out.
+
+    Multicast needs every host on the same port (one datagram reaches every joined socket bound to
+    group:port) and distinct, non-loopback addresses (hosts on separate interfaces of a fabric that
+    forwards multicast, as the testbed's bridge does); otherwise, or with DOSA_MULTICAST=0, the
+    DPU sends each result packet to every host (unicast fan-out)."""
+    if os.environ.get("DOSA_MULTICAST", "1").strip().lower() in ("0", "no", "off", "false"):
+        return None
+    ports = {p for _, p in job.hosts}
+    addrs = [a for a, _ in job.hosts]
+    if len(job.hosts) < 2 or len(ports) != 1 or len(set(addrs)) != len(addrs) or \
+            any(a.startswith("127.") or a == "0.0.0.0" for a in addrs):
+        return None
+    j = int(job.job_id)
+    return f"{MULTICAST_PREFIX[0]}.{MULTICAST_PREFIX[1]}.{(j >> 8) & 255}.{j & 255}", ports.pop()
+
+
 class UdpEndpoint:
     """A bound, non-blocking UDP socket that sends and receives PacketBatches in batches.
 
@@ -150,6 +177,7 @@ class UdpEndpoint:
         self._src_port = np.zeros(recv_slots, np.uint16)
         self.sent_packets = self.sent_bytes = self.recv_packets = self.recv_bytes = 0
         self.truncated = 0
+        self.msock = None
 
     def _set_buffers(self, size: int) -> None:
         for force, plain in ((32, socket.SO_SNDBUF), (33, socket.SO_RCVBUF)):  # SO_*BUFFORCE
@@ -181,13 +209,57 @@ class UdpEndpoint:
         d = batch.dest[rows]
         return self.send(batch, rows, table[0][d], table[1][d])
 
+    def join_group(self, group: str, port: int, iface_addr: str) -> None:
+        """Also receive datagrams sent to ``group:port`` on the interface holding ``iface_addr``
+        (a second socket bound to group:port, IP_ADD_MEMBERSHIP); ``recv`` reads both."""
+        m = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            m.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                m.setsockopt(socket.SOL_SOCKET, 33, DEFAULT_SOCKET_BUFFER)  # SO_RCVBUFFORCE
+            except OSError:
+                m.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, DEFAULT_SOCKET_BUFFER)
+            m.bind((group, int(port)))
+            m.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+                         socket.inet_aton(group) + socket.inet_aton(iface_addr))
+        except OSError as e:
+            m.close()
+            raise DosaError(f"cannot join multicast group {group}:{port} on {iface_addr}: "
+                            f"{e.strerror or e}") from None
+        m.setblocking(False)
+        self.msock = m
+        self._poll = select.poll()
+        self._poll.register(self.fd, select.POLLIN)
+        self._poll.register(m.fileno(), select.POLLIN)
+
+    def set_multicast_source(self, iface_addr: str | None) -> None:
+        """Send multicast out of the interface holding ``iface_addr`` (default: the route's), TTL 1,
+        without looping copies back to this machine's own sockets."""
+        try:
+            if iface_addr and iface_addr != "0.0.0.0":
+                self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(iface_addr))
+            self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, struct.pack("b", 1))
+            self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, struct.pack("b", 0))
+        except OSError as e:
+            raise DosaError(f"cannot send multicast from {iface_addr}: {e.strerror or e}") from None
+
+    def _recv_fd(self, fd: int, timeout: float) -> int:
+        return _net.recv_batch(fd, self._rx.data, self._rx.lengths, self._src_ip, self._src_port, timeout)
+
     def recv(self, timeout: float) -> tuple[PacketBatch, np.ndarray, np.ndarray]:
-        """Receive what is queued (waiting up to ``timeout`` s for the first packet).
+        """Receive what is queued (waiting up to ``timeout`` s for the first packet), from the
+        unicast socket and, after ``join_group``, the group's socket.
 
         Returns (batch, src_ip_be, src_port_be); truncated datagrams are dropped and counted.
         """
-        n = _net.recv_batch(self.fd, self._rx.data, self._rx.lengths, self._src_ip, self._src_port,
-                            max(0.0, timeout))
+        if self.msock is None:
+            n = self._recv_fd(self.fd, max(0.0, timeout))
+        else:
+            mfd = self.msock.fileno()
+            n = self._recv_fd(mfd, 0.0) or self._recv_fd(self.fd, 0.0)
+            if not n and timeout > 0:
+                self._poll.poll(max(1, int(timeout * 1000)))
+                n = self._recv_fd(mfd, 0.0) or self._recv_fd(self.fd, 0.0)
         lengths = self._rx.lengths[:n]
         ok = lengths >= 0
         self.recv_packets += n
@@ -201,6 +273,9 @@ class UdpEndpoint:
                 self._src_ip[:n], self._src_port[:n])
 
     def close(self) -> None:
+        if self.msock is not None:
+            self.msock.close()
+            self.msock = None
         self.sock.close()
 
     def __enter__(self):
