@@ -6,6 +6,10 @@ the job: its own directly, the others through their servers' ``/v1/local/*`` end
 created by an admin request (``POST /v1/jobs``) or by its first joiner when the join request carries
 the job's shape (numel, workers, dpus), like a torchrun rendezvous.
 
+Every DPU of a job keeps the job's full view (density, mode, dpus, hosts...) in its registry, in XDP
+and userspace mode alike: a DPU worker asking its own control plane learns the whole job, and a
+host may join through any DPU that knows it.
+
 Endpoints (request and response bodies are JSON objects)::
 
     POST /v1/join    {job_id, worker_id|rank?, address, port?, wait?, [numel, workers, dpus,

@@ -137,9 +137,9 @@ def test_two_dpu_userspace_gtopk_allreduce_on_a_testbed(tmp_path):
         run = tb.run(argv, timeout=90, echo=False, log_dir=tmp_path / "logs")
         logs = "\n".join(f"{p.name}: {p.read_text()[-2000:]}" for p in sorted((tmp_path / "logs").glob("*")))
         assert not run.timed_out, logs
-        st = tb.status()
-        nodes = {n["name"]: n["address"] for n in st["nodes"]}
-        views = [run_in_netns(tb.namespace(d), request, f"{nodes[d]}:{st['control_port']}", "GET", "/v1/jobs")
+        nodes = {n["name"]: n["address"] for n in tb.status()["nodes"]}
+        port = tb.job_env(0)["DOSA_CONTROL_PORT"]
+        views = [run_in_netns(tb.namespace(d), request, f"{nodes[d]}:{port}", "GET", "/v1/jobs")
                  for d in ("d0", "d1")]
     ranks = [json.loads((out / f"rank{w}.json").read_text()) for w in range(2)]
     for r in ranks:
