@@ -164,3 +164,26 @@ def test_a_restarted_server_keeps_its_registry(api, tmp_path):
     assert sorted(s2.jobs) == [90]
     v = s2.join({"job_id": 90, "address": "10.6.0.2"})
     assert v["complete"] and [h["address"] for h in v["hosts"]] == ["10.6.0.1", "10.6.0.2"]
+
+
+def test_every_dpu_registry_has_the_full_job_in_xdp_mode_too(api):
+    """DPU 1's control plane answers the same view as DPU 0's (density, mode, dpus, hosts): its DPU
+    worker does not fall back to --gtopk-density."""
+    from control.api import request
+    from dataplane.maps import MODE_GTOPK
+
+    ctls, url = api
+    shape = {"numel": 3000, "workers": 2, "dpus": list(ADDRS), "partition_size": 1000, "mode": "gtopk",
+             "density": 0.002}
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        futs = [ex.submit(_call, url, "POST", "/v1/join",
+                          {"job_id": 95, "worker_id": w, "address": f"10.7.0.{w + 1}", "wait": 10, **shape})
+                for w in (0, 1)]
+        assert [f.result(20)[0] for f in futs] == [200, 200]
+    port = url.rsplit(":", 1)[1]
+    v0, v1 = (request(f"{a}:{port}", "GET", "/v1/jobs/95") for a in ADDRS)
+    assert v1 == v0 and v1["density"] == 0.002 and v1["mode"] == "gtopk" and v1["complete"]
+    assert [h["address"] for h in v1["hosts"]] == ["10.7.0.1", "10.7.0.2"]
+    assert [(j.job_id, j.mode) for c in ctls for j in c.jobs()] == [(95, MODE_GTOPK)] * 2
+    assert _call(url, "DELETE", "/v1/jobs/95")[0] == 200
+    assert _call(f"{ADDRS[1]}:{port}", "GET", "/v1/jobs/95")[0] == 404
