@@ -79,9 +79,10 @@ def cmd_run(args) -> int:
             def discover():
                 # a job created through another DPU's control plane is in this DPU's maps (its
                 # flows too) but not in this control plane's registry
-                got = {j.job_id: j for j in from_control()}
-                for j in jobs_from_maps(worker.maps, bind, args.gtopk_density):
-                    got.setdefault(j.job_id, j)
+                # maps first, then the control plane's fuller view overrides: read the other way
+                # round, a join landing between the two reads would let the maps' partial view win
+                got = {j.job_id: j for j in jobs_from_maps(worker.maps, bind, args.gtopk_density)}
+                got.update({j.job_id: j for j in from_control()})
                 return list(got.values())
         else:
             discover = from_control
