@@ -59,7 +59,7 @@ def run_mode(mode: str, args, rank: int, world: int, progress: bool) -> dict:
     from dpu_fw.offload.models import build_model, state_arrays
     from dpu_fw.offload.validation import evaluate_snapshot
     from host_lib.offload import (LocalLoader, OffloadedLoader, OffloadedValidator,
-                                  default_model_spec)
+                                  OffloadFallbackWarning, default_model_spec)
 
     my_spec = args.shard_spec.replace("{rank}", str(rank))
     val_spec = args.shard_spec.replace("{rank}", "0")  # every shard holds the same validation split
@@ -121,7 +121,8 @@ def run_mode(mode: str, args, rank: int, world: int, progress: bool) -> dict:
         "loader_fell_back": bool(getattr(loader, "fell_back", False)),
         "validator_fell_back": bool(validator is not None and validator.fell_back),
         "validated_on_dpu": sum(1 for h in handles if not h.local),
-        "warnings": [str(w.message) for w in caught][:5],
+        "warnings": [str(w.message) for w in caught
+                     if issubclass(w.category, OffloadFallbackWarning)][:5],
     }
 
 
