@@ -134,32 +134,39 @@ def extract_nonzero(const int64_t[::1] buf, int64_t base_index):
 
     A sum outside s32 cannot happen when hosts respect the clip bound C = (2^31-1)/W; if it does it
     is saturated and counted, so the caller can report it instead of sending a wrapped value.
+
+    One pass over the buffer (it is the DPU's biggest per-round cost: a 25M-entry job reads 200 MB
+    of sums a round, ~1-3 % of them non-zero): blocks of 8 sums are OR-ed and skipped when all are
+    zero, and the non-zeros go to scratch arrays sized for the worst case, copied out at the end.
     """
-    cdef Py_ssize_t n = buf.shape[0], i, k = 0, nsat = 0
-    with nogil:
-        for i in range(n):
-            if buf[i] != 0:
-                k += 1
-    indices = np.empty(k, np.uint32)
-    sums = np.empty(k, np.int32)
-    cdef uint32_t[::1] oi = indices
-    cdef int32_t[::1] os = sums
+    cdef Py_ssize_t n = buf.shape[0], i, j, k = 0, nsat = 0, nb = n - n % 8
     cdef int64_t v
-    k = 0
+    scratch_i = np.empty(n, np.uint32)
+    scratch_v = np.empty(n, np.int32)
+    cdef uint32_t[::1] oi = scratch_i
+    cdef int32_t[::1] os = scratch_v
     with nogil:
-        for i in range(n):
-            v = buf[i]
-            if v != 0:
-                oi[k] = <uint32_t>(base_index + i)
-                if v > 2147483647:
-                    v = 2147483647
-                    nsat += 1
-                elif v < -2147483647:
-                    v = -2147483647
-                    nsat += 1
-                os[k] = <int32_t>v
-                k += 1
-    return indices, sums, nsat
+        i = 0
+        while i < n:
+            if i < nb and (buf[i] | buf[i + 1] | buf[i + 2] | buf[i + 3] | buf[i + 4] | buf[i + 5]
+                           | buf[i + 6] | buf[i + 7]) == 0:
+                i += 8
+                continue
+            j = i + 8 if i < nb else n
+            while i < j:
+                v = buf[i]
+                if v != 0:
+                    oi[k] = <uint32_t>(base_index + i)
+                    if v > 2147483647:
+                        v = 2147483647
+                        nsat += 1
+                    elif v < -2147483647:
+                        v = -2147483647
+                        nsat += 1
+                    os[k] = <int32_t>v
+                    k += 1
+                i += 1
+    return scratch_i[:k].copy(), scratch_v[:k].copy(), nsat
 
 
 def clear_indices(int64_t[::1] buf, const uint32_t[::1] idx, int64_t base_index):

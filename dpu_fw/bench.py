@@ -124,7 +124,7 @@ def host_main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     workers = int(os.environ.get("WORLD_SIZE", "1"))
     rec = {"rank": rank, "round_s": [], "sent": [], "received": [], "verified": None,
-           "rounds_checked": 0, "rounds_wrong": 0, "retx_per_round": []}
+           "rounds_checked": 0, "rounds_wrong": 0, "retx_per_round": [], "cpu_s": []}
     if a.inputs:
         idx, q, scale, ref_idx, ref_sum = _workdir_inputs(Path(a.inputs), rank, workers)
     else:
@@ -135,19 +135,29 @@ def host_main(argv=None) -> int:
                                         join={"mode": a.mode, "density": a.density,
                                               "scale_exp": int(scale), "wait": 120}) as c:
             rec["multicast"] = c.multicast_group is not None
+            prof = None
+            if os.environ.get("DOSA_BENCH_PROFILE"):  # a cProfile of the rounds, for docs/performance.md
+                import cProfile
+
+                prof = cProfile.Profile(time.process_time)
+                prof.enable()
             for r in range(a.warmup + a.rounds):
                 s0, r0, x0 = c.ep.sent_bytes, c.ep.recv_bytes, c.retransmissions
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 ridx, sums = c.allreduce_sparse(idx, q, scale)
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 ok = _check(a.mode, ridx, sums, ref_idx, ref_sum, c.job)
                 rec["rounds_checked"] += 1
                 rec["rounds_wrong"] += 0 if ok else 1
                 if r >= a.warmup:
                     rec["round_s"].append(dt)
+                    rec["cpu_s"].append(dc)
                     rec["sent"].append(c.ep.sent_bytes - s0)
                     rec["received"].append(c.ep.recv_bytes - r0)
                     rec["retx_per_round"].append(c.retransmissions - x0)
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(os.path.join(os.environ["DOSA_BENCH_PROFILE"], f"rank{rank}.prof"))
             rec["verified"] = rec["rounds_wrong"] == 0
             rec["entries_sent"] = int(len(idx))
             rec["result_entries"] = int(len(ridx))
@@ -174,6 +184,29 @@ def _services(pool_slots: int):
         return out
 
     return fn
+
+
+def _cpu_times() -> dict:
+    """{cpu: (user+nice, system, softirq+irq, idle+iowait)} jiffies from /proc/stat."""
+    out = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("cpu") and line[3].isdigit():
+                v = [int(x) for x in line.split()[1:8]]
+                out[line.split()[0]] = (v[0] + v[1], v[2], v[5] + v[6], v[3] + v[4])
+    return out
+
+
+def _cpu_use(a: dict, b: dict, seconds: float) -> dict:
+    """Share of each CPU's time in user, system, softirq and idle between two _cpu_times (the whole
+    run of the hosts: setup, warm-up and timed rounds; the machine is shared)."""
+    out = {}
+    for cpu in a:
+        d = [y - x for x, y in zip(a[cpu], b[cpu])]
+        tot = max(1, sum(d))
+        out[cpu] = {k: round(v / tot, 3) for k, v in zip(("user", "system", "softirq", "idle"), d)}
+    out["seconds"] = round(seconds, 2)
+    return out
 
 
 def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> dict:
@@ -208,7 +241,10 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
         for opt in ("retx_interval", "window"):
             if getattr(args, opt, None) is not None:
                 argv += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
+        cpu0 = _cpu_times()
+        t_run = time.monotonic()
         run = tb.run(argv, timeout=args.timeout, echo=False, log_dir=res_dir / "logs")
+        cpu_use = _cpu_use(cpu0, _cpu_times(), time.monotonic() - t_run)
         if run.timed_out:
             raise DosaError(f"{path} path: hosts did not finish in {args.timeout} s "
                             f"(logs in {res_dir / 'logs'})")
@@ -241,6 +277,8 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
         "inputs": "work folder" if workdir is not None else "uniform random",
         "link_rate": link_rate, "cpu_split": cpu_split,
         "testbed_up_s": up_s,
+        "host_cpu_s_per_round": [float(statistics.median(r["cpu_s"])) for r in ranks],
+        "machine_cpu_during_run": cpu_use,
     }
 
 
