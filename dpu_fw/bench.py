@@ -209,6 +209,57 @@ def _cpu_use(a: dict, b: dict, seconds: float) -> dict:
     return out
 
 
+def _napi_threads() -> dict[int, str]:
+    """{pid: comm} of the kernel's threaded-NAPI workers (``napi/<dev>-<id>``)."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/comm") as f:
+                    comm = f.read().strip()
+            except OSError:
+                continue
+            if comm.startswith("napi/"):
+                out[int(d)] = comm
+    return out
+
+
+def _dpu_napi_on_dpu_cores(tb) -> list[int]:
+    """Run the DPUs' receive (the XDP merge) on the DPU cores, as on a real DPU.
+
+    On a veth the XDP program runs in the NAPI poll of the receiving end, which the kernel schedules
+    on the CPU that sent the packet: with ``cpu_split`` that is the host core, so the hosts would
+    pay for the DPU's merge. Threaded NAPI on each DPU's eth0 moves that poll to a kernel thread,
+    pinned here to the DPU cores. Returns the pinned thread ids ([] where the kernel refuses)."""
+    import subprocess
+
+    st = tb.status()
+    cpus = st.get("config", {}).get("dpu_cpus") or next(
+        (n["cpus"] for n in st.get("nodes", []) if n["role"] == "dpu"), None)
+    if not cpus:
+        return []
+    before = _napi_threads()
+    fab = st.get("fabric", {}).get("namespace")
+    for n in st.get("nodes", []):
+        if n["role"] == "dpu" and fab and not st.get("config", {}).get("shape_dpus"):
+            # the bridge's port towards the DPU: a queue instead of veth's noqueue, so a burst
+            # bigger than the DPU's 256-slot XDP ring waits (backpressure) instead of being dropped
+            subprocess.run(["tc", "-n", fab, "qdisc", "replace", "dev", n["name"], "root", "pfifo",
+                            "limit", "100000"], check=False, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    for n in st.get("nodes", []):
+        if n["role"] == "dpu":
+            subprocess.run(["ip", "netns", "exec", n["namespace"], "sh", "-c",
+                            "echo 1 > /sys/class/net/eth0/threaded"], check=False,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.2)
+    new = [pid for pid, comm in _napi_threads().items() if pid not in before and "eth0" in comm]
+    for pid in new:
+        subprocess.run(["taskset", "-pc", ",".join(map(str, cpus)), str(pid)], check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return new
+
+
 def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> dict:
     """Run one dosa path (``xdp`` or ``userspace``) on its own testbed, shaped like the baselines'
     (``args.link_rate`` on the host links, ``cpu_split``: hosts on one core, the DPU on the other),
@@ -233,6 +284,8 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
           shape_dpus=bool(getattr(args, "shape_dpus", False)))
     try:
         up_s = time.monotonic() - t_up
+        napi = _dpu_napi_on_dpu_cores(tb) if cpu_split and path == "xdp" and \
+            os.environ.get("DOSA_BENCH_THREADED_NAPI", "1") != "0" else []
         argv = [sys.executable, "-m", "dpu_fw.bench", "--host", "--numel", str(args.numel),
                 "--density", str(args.density), "--rounds", str(args.rounds), "--warmup",
                 str(args.warmup), "--mode", args.mode, "--out", str(res_dir)]
@@ -277,6 +330,7 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
         "inputs": "work folder" if workdir is not None else "uniform random",
         "link_rate": link_rate, "cpu_split": cpu_split,
         "testbed_up_s": up_s,
+        "dpu_napi_threads_pinned": len(napi),
         "host_cpu_s_per_round": [float(statistics.median(r["cpu_s"])) for r in ranks],
         "machine_cpu_during_run": cpu_use,
     }
