@@ -28,7 +28,7 @@ from dosa import wire
 from dosa.errors import DosaError
 from dosa.wire import Flags, HEADER_DTYPE, PacketBatch, PacketType
 
-from .packetizer import packetize, parse_batch
+from .packetizer import _bad_mask, packetize, parse_batch
 from .quantize import choose_scale_exp, clip_bound, dequantize, quantize
 from .transport import JobConfig, UdpEndpoint, addr_arrays, multicast_group
 
@@ -267,8 +267,12 @@ class _Round:
         self.last_tx = np.zeros(P)
         self.tries = np.zeros(P, np.int64)
         self.unanswered = np.zeros(P, np.int64)  # RETX_REQUESTs without any answer since last data
-        self.chunks_idx: list[np.ndarray] = []
-        self.chunks_val: list[np.ndarray] = []
+        # accepted result packets, kept raw (copied out of the reused receive buffer) and decoded
+        # once at the end of the round, in (partition, seq) order: no per-batch entry decoding and
+        # no sort of the entries (results are sorted within a partition, partitions are ranges)
+        self.raw: list[np.ndarray] = []
+        self.raw_key: list[np.ndarray] = []
+        self.raw_count: list[np.ndarray] = []
         self.next = 0
         self.missing: dict[int, list[int]] = {}
         self.status_at = np.full(P, -np.inf)  # when the last STATUS of each partition arrived
@@ -285,11 +289,28 @@ class _Round:
             if now - last_progress > c.timeout:
                 self._fail()
             self._retransmit(now, last_progress)
-        idx = np.concatenate(self.chunks_idx) if self.chunks_idx else np.zeros(0, np.uint32)
-        val = np.concatenate(self.chunks_val) if self.chunks_val else np.zeros(0, np.int32)
-        order = np.argsort(idx, kind="stable")
         c.last_missing = {}
-        return idx[order], val[order]
+        return self._decode()
+
+    def _decode(self) -> tuple[np.ndarray, np.ndarray]:
+        """The round's result entries, from the raw packets kept by _absorb, sorted by index."""
+        if not self.raw:
+            return np.zeros(0, np.uint32), np.zeros(0, np.int32)
+        data = np.concatenate(self.raw) if len(self.raw) > 1 else self.raw[0]
+        order = np.argsort(np.concatenate(self.raw_key), kind="stable")
+        count = np.concatenate(self.raw_count)[order]
+        offsets = np.zeros(len(order) + 1, np.int64)
+        np.cumsum(count, out=offsets[1:])
+        m = int(offsets[-1])
+        word = np.repeat(order * (wire.STRIDE // 8) + wire.HDR_LEN // 8 - offsets[:-1], count)
+        word += np.arange(m, dtype=np.int64)
+        pairs = data.reshape(-1).view(np.uint64)[word].view(wire.SPARSE_ENTRY_DTYPE)
+        idx = pairs["index"].astype(np.uint32)
+        val = pairs["value"].astype(np.int32)
+        if m > 1 and not bool((idx[1:] > idx[:-1]).all()):  # not expected from a DPU: sort anyway
+            o = np.argsort(idx, kind="stable")
+            idx, val = idx[o], val[o]
+        return idx, val
 
     def _fill_window(self) -> None:
         inflight = int((self.sent & ~self.done).sum())
@@ -309,16 +330,47 @@ class _Round:
         self.c.ep.send_to_table(self.batch, self.c.dpu_table, rows)
 
     def _absorb(self, b: PacketBatch, sip) -> bool:
-        """Take the new result packets of this round out of a received batch; True on progress."""
-        parsed = parse_batch(b, on_error="drop")
-        if not len(parsed):
+        """Take the new result packets of this round out of a received batch; True on progress.
+
+        Headers are read in place (a view of the receive buffer); only this round's result packets
+        are validated and kept (raw), STATUS packets are parsed; anything else is ignored."""
+        n = len(b)
+        if not n:
             return False
+        hv = b.data.view(HEADER_DTYPE)[:n, 0]
+        t = hv["type"]
+        mine = (hv["job_id"] == self.c.job.job_id) & (hv["round"] == self.c.round) \
+            & (hv["partition"] < self.P) & (hv["worker_id"] == wire.DPU_SENDER_ID)
+        st = np.flatnonzero(mine & (t == PacketType.STATUS))
+        if len(st):
+            self._statuses(parse_batch(PacketBatch(b.data[st], b.lengths[st], b.dest[st]), on_error="drop"))
+        res = np.flatnonzero(mine & (t == PacketType.SPARSE_RESULT) & (hv["scale_exp"] == self.scale_exp))
+        if not len(res):
+            return False
+        res = res[~_bad_mask(hv[res], np.asarray(b.lengths[res], np.int64))]
+        p = hv["partition"][res].astype(np.int64)
+        s = hv["seq"][res].astype(np.int64)
+        key = p * wire.MAX_PACKETS_PER_CONTRIBUTION + s
+        key, first = np.unique(key, return_index=True)
+        res, p, s = res[first], p[first], s[first]
+        new = ~self.got[p, s] & ~self.done[p]
+        if not new.any():
+            return False
+        res, p, s, key = res[new], p[new], s[new], key[new]
+        self.got[p, s] = True
+        self.res_total[p] = hv["total"][res]
+        np.add.at(self.res_got, p, 1)
+        self.raw.append(b.data[res])
+        self.raw_key.append(key)
+        self.raw_count.append(hv["count"][res].astype(np.int64))
+        self.done |= (self.res_total > 0) & (self.res_got >= self.res_total)
+        return True
+
+    def _statuses(self, parsed) -> None:
+        """STATUS answers: remember who the DPU waits for; resend our data where it names us."""
         h = parsed.headers
-        t = h["type"]
-        mine = (h["job_id"] == self.c.job.job_id) & (h["round"] == self.c.round) \
-            & (h["partition"] < self.P) & (h["worker_id"] == wire.DPU_SENDER_ID)
         need = []
-        for i in np.flatnonzero(mine & (t == PacketType.STATUS)).tolist():
+        for i in range(len(parsed)):
             p = int(h["partition"][i])
             ws = sorted(int(w) for w in parsed.indices[parsed.offsets[i]:parsed.offsets[i + 1]])
             self.missing[p] = ws
@@ -328,30 +380,6 @@ class _Round:
                 need.append(p)
         if need:  # the DPU lacks (part of) our contribution: it was lost, resend it
             self._resend_data(np.unique(need))
-        res = np.flatnonzero(mine & (t == PacketType.SPARSE_RESULT)
-                             & (h["scale_exp"] == self.scale_exp))
-        if not len(res):
-            return False
-        p = h["partition"][res].astype(np.int64)
-        s = h["seq"][res].astype(np.int64)
-        key = p * wire.MAX_PACKETS_PER_CONTRIBUTION + s
-        key, first = np.unique(key, return_index=True)
-        res, p, s = res[first], p[first], s[first]
-        new = ~self.got[p, s] & ~self.done[p]
-        if not new.any():
-            return False
-        res, p, s = res[new], p[new], s[new]
-        self.got[p, s] = True
-        self.res_total[p] = h["total"][res]
-        np.add.at(self.res_got, p, 1)
-        cnt = np.diff(parsed.offsets)
-        take = np.zeros(len(cnt), bool)
-        take[res] = True
-        emask = np.repeat(take, cnt)
-        self.chunks_idx.append(parsed.indices[emask])
-        self.chunks_val.append(parsed.values[emask])
-        self.done |= (self.res_total > 0) & (self.res_got >= self.res_total)
-        return True
 
     def _retransmit(self, now: float, last_progress: float) -> None:
         """Re-request what is overdue. A partition's timer runs from its last send or from the
