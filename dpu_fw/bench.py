@@ -124,7 +124,7 @@ def host_main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     workers = int(os.environ.get("WORLD_SIZE", "1"))
     rec = {"rank": rank, "round_s": [], "sent": [], "received": [], "verified": None,
-           "rounds_checked": 0, "rounds_wrong": 0, "retx_per_round": [], "cpu_s": []}
+           "rounds_checked": 0, "rounds_wrong": 0, "retx_per_round": [], "cpu_s": [], "cpu_sys_s": []}
     if a.inputs:
         idx, q, scale, ref_idx, ref_sum = _workdir_inputs(Path(a.inputs), rank, workers)
     else:
@@ -143,15 +143,16 @@ def host_main(argv=None) -> int:
                 prof.enable()
             for r in range(a.warmup + a.rounds):
                 s0, r0, x0 = c.ep.sent_bytes, c.ep.recv_bytes, c.retransmissions
-                t0, c0 = time.perf_counter(), time.process_time()
+                t0, c0, o0 = time.perf_counter(), time.process_time(), os.times()
                 ridx, sums = c.allreduce_sparse(idx, q, scale)
-                dt, dc = time.perf_counter() - t0, time.process_time() - c0
+                dt, dc, o1 = time.perf_counter() - t0, time.process_time() - c0, os.times()
                 ok = _check(a.mode, ridx, sums, ref_idx, ref_sum, c.job)
                 rec["rounds_checked"] += 1
                 rec["rounds_wrong"] += 0 if ok else 1
                 if r >= a.warmup:
                     rec["round_s"].append(dt)
                     rec["cpu_s"].append(dc)
+                    rec["cpu_sys_s"].append(o1.system - o0.system)
                     rec["sent"].append(c.ep.sent_bytes - s0)
                     rec["received"].append(c.ep.recv_bytes - r0)
                     rec["retx_per_round"].append(c.retransmissions - x0)
@@ -332,6 +333,7 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
         "testbed_up_s": up_s,
         "dpu_napi_threads_pinned": len(napi),
         "host_cpu_s_per_round": [float(statistics.median(r["cpu_s"])) for r in ranks],
+        "host_cpu_sys_s_per_round": [float(statistics.median(r["cpu_sys_s"])) for r in ranks],
         "machine_cpu_during_run": cpu_use,
     }
 
