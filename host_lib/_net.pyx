@@ -11,7 +11,7 @@ from libc.errno cimport errno, EAGAIN, EINTR
 cdef extern from "<errno.h>":
     int EWOULDBLOCK
     int ENOBUFS
-from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
@@ -212,3 +212,27 @@ def recv_batch(int fd, uint8_t[:, ::1] data, int64_t[::1] lengths, uint32_t[::1]
         import os
         raise OSError(err, f"recvmmsg failed: {os.strerror(err)}")
     return rc
+
+
+def decode_sparse_entries(const uint8_t[:, ::1] data, const int64_t[::1] rows,
+                          const int64_t[::1] count, Py_ssize_t first_byte,
+                          uint32_t[::1] out_idx, int32_t[::1] out_val):
+    """Decode the (big-endian u32 index, big-endian s32 value) entries of packets ``rows`` (in that
+    order, ``count[k]`` entries each, starting at byte ``first_byte`` of a slot) into ``out_idx`` /
+    ``out_val``; returns the number written. The caller checks that this is the wire's
+    SPARSE_ENTRY_DTYPE layout (host_lib.client) and that the counts fit the slots (validated headers)."""
+    cdef Py_ssize_t k, j, m = 0, n = rows.shape[0], cap = out_idx.shape[0]
+    cdef const uint8_t* p
+    if count.shape[0] < n or out_val.shape[0] < cap:
+        raise ValueError("count needs a value per row and out_val as many slots as out_idx")
+    with nogil:
+        for k in range(n):
+            if count[k] < 0 or m + count[k] > cap or first_byte + 8 * count[k] > data.shape[1]:
+                break
+            p = &data[rows[k], first_byte]
+            for j in range(count[k]):
+                out_idx[m] = (<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | p[3]
+                out_val[m] = <int32_t>((<uint32_t>p[4] << 24) | (<uint32_t>p[5] << 16) | (<uint32_t>p[6] << 8) | p[7])
+                p += 8
+                m += 1
+    return m

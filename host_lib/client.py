@@ -30,9 +30,13 @@ from dosa.wire import Flags, HEADER_DTYPE, PacketBatch, PacketType
 
 from .packetizer import _bad_mask, packetize, parse_batch
 from .quantize import choose_scale_exp, clip_bound, dequantize, quantize
+from . import _net
 from .transport import JobConfig, UdpEndpoint, addr_arrays, multicast_group
 
 RETX_ALL = np.zeros(0, np.uint32)
+#: _net.decode_sparse_entries decodes (big-endian u32 index, big-endian s32 value) pairs: use it
+#: only while that is the wire's entry layout.
+_FAST_ENTRIES = wire.SPARSE_ENTRY_DTYPE == np.dtype([("index", ">u4"), ("value", ">i4")])
 
 
 class _TopK:
@@ -302,11 +306,17 @@ class _Round:
         offsets = np.zeros(len(order) + 1, np.int64)
         np.cumsum(count, out=offsets[1:])
         m = int(offsets[-1])
-        word = np.repeat(order * (wire.STRIDE // 8) + wire.HDR_LEN // 8 - offsets[:-1], count)
-        word += np.arange(m, dtype=np.int64)
-        pairs = data.reshape(-1).view(np.uint64)[word].view(wire.SPARSE_ENTRY_DTYPE)
-        idx = pairs["index"].astype(np.uint32)
-        val = pairs["value"].astype(np.int32)
+        if _FAST_ENTRIES:  # one Cython pass (byte-swapping gather), ~5x the numpy gather below
+            idx, val = np.empty(m, np.uint32), np.empty(m, np.int32)
+            if _net.decode_sparse_entries(data, order.astype(np.int64), count, wire.HDR_LEN, idx, val) != m:
+                raise DosaError("result packets with more entries than their slots (a bug: headers "
+                                "are validated before)")
+        else:
+            word = np.repeat(order * (wire.STRIDE // 8) + wire.HDR_LEN // 8 - offsets[:-1], count)
+            word += np.arange(m, dtype=np.int64)
+            pairs = data.reshape(-1).view(np.uint64)[word].view(wire.SPARSE_ENTRY_DTYPE)
+            idx = pairs["index"].astype(np.uint32)
+            val = pairs["value"].astype(np.int32)
         if m > 1 and not bool((idx[1:] > idx[:-1]).all()):  # not expected from a DPU: sort anyway
             o = np.argsort(idx, kind="stable")
             idx, val = idx[o], val[o]
