@@ -117,7 +117,7 @@ def host_main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--retx-interval", type=float, default=0.25)
-    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--window", type=int, default=int(os.environ.get("DOSA_BENCH_WINDOW", "256")))
     a = ap.parse_args(argv)
     from host_lib.client import AggregationClient
 
