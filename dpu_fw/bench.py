@@ -1,12 +1,19 @@
 """``dosa bench allreduce``: time dosa's allreduce through the DPU, XDP path and userspace path.
 
 For each path a fresh testbed (testbed.Testbed: H host namespaces, M DPU namespaces, a bridge) is
-brought up with that mode (its DPUs run ``dosa ctl serve`` and ``dosa dpu run``), every host runs
-this module's host side (``python -m dpu_fw.bench --host ...``), which joins through the control
-plane, runs warm-up then timed rounds of ``allreduce_sparse`` on random sparse gradients (numel x
-density entries a host, quantized), checks the first round against numpy on rank 0, and writes
-its per-round times and byte counters. A round's time is the slowest host's; the report gives the
-median over the timed rounds.
+brought up with that mode (its DPUs run ``dosa ctl serve`` and ``dosa dpu run``), shaped like the
+baselines' (``--link-rate``, hosts on one core and the DPU on the other when they run on a testbed;
+XDP path: the DPU's receive in threaded NAPI on the DPU core, a pfifo on the bridge port towards
+it). Every host runs this module's host side (``python -m dpu_fw.bench --host ...``), which joins
+through the control plane, reads its sparse input from host_lib.bench's work folder (``--inputs``;
+uniform random indices without one), runs warm-up then timed rounds of ``allreduce_sparse``, checks
+EVERY round's result against the exact fixed-point reference, and writes its per-round times, CPU
+time, bytes and retransmissions. A round's time is the slowest host's; the report gives the median
+over the timed rounds.
+
+Knobs for experiments (environment, reaching hosts and DPU services): ``DOSA_MULTICAST=0`` (unicast
+fan-out), ``DOSA_BENCH_THREADED_NAPI=0``, ``DOSA_BENCH_WINDOW=N`` (partitions in flight a host),
+``DOSA_BENCH_PROFILE=DIR`` (a CPU-time cProfile of each host's rounds, ``DIR/rank<r>.prof``).
 
 JSON layout (``--json``)::
 
