@@ -9,11 +9,12 @@ Two bounds, both computed in the same run as the methods they judge:
   UDP, IPv4 and Ethernet headers (sizes from :mod:`dosa.wire`; preamble, FCS and inter-frame gap of
   a physical link are not counted: tc shapes the frame as the kernel sees it). Links are full duplex,
   so a link's time is max(bytes out, bytes in) / rate. DPU links (data in from every host, results
-  out to every host by unicast fan-out) count only when they are shaped too (``shape_dpus``).
+  out once to the job's multicast group, or once per host with unicast fan-out) count only when
+  they are shaped too (``shape_dpus``).
 * **Packet rate**: the packets the busiest sender must emit divided by this machine's raw UDP packet
   rate, measured here (:func:`measure_packet_rate`: one sender with batched sendmmsg through a veth
   pair between two namespaces created for the purpose, a receiver draining with recvmmsg). The
-  busiest sender is a DPU: it sends every result packet once per host.
+  busiest sender is a host or a DPU (with unicast fan-out, a DPU sends every result packet once per host).
 
 ``limit_s`` = max(link, packet rate): a round cannot be faster than either.
 """
@@ -61,8 +62,11 @@ def _packets_and_bytes(counts: np.ndarray) -> tuple[int, int]:
 
 def dosa_traffic(index_sets: list[np.ndarray], numel: int, *, dpus: int = 1,
                  partition_size: int = wire.DEFAULT_PARTITION_SIZE, mode: str = "sum",
-                 density: float | None = None) -> dict:
-    """Packets and bytes every host and DPU sends and receives in one dosa round (see module doc)."""
+                 density: float | None = None, multicast: bool = True) -> dict:
+    """Packets and bytes every host and DPU sends and receives in one dosa round (see module doc).
+
+    ``multicast``: results go to the job's multicast group, so a DPU sends each result packet once
+    (the default of dosa's transport); False counts unicast fan-out (one copy per host)."""
     pmap = wire.PartitionMap(numel, partition_size, dpus)
     n_parts = pmap.num_partitions
     w = len(index_sets)
@@ -96,7 +100,9 @@ def dosa_traffic(index_sets: list[np.ndarray], numel: int, *, dpus: int = 1,
             p, b = _packets_and_bytes(h["part_counts"][mine])
             pk_in, b_in = pk_in + p, b_in + b
         p, b = _packets_and_bytes(res_counts[mine])
-        out_dpus.append({"packets_in": pk_in, "bytes_in": b_in, "packets_out": w * p, "bytes_out": w * b})
+        copies = 1 if multicast else w
+        out_dpus.append({"packets_in": pk_in, "bytes_in": b_in, "packets_out": copies * p,
+                         "bytes_out": copies * b})
     return {"hosts": out_hosts, "dpus": out_dpus, "result_entries": int(res_counts.sum()),
             "partitions": n_parts, "packet_overhead_bytes": PACKET_OVERHEAD}
 

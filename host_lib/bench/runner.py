@@ -171,10 +171,14 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
             if args.testbed:
                 from testbed.core import Testbed
 
-                tb = Testbed(prefix=args.testbed_prefix)
+                bed = Testbed(prefix=args.testbed_prefix)
                 say(f"  testbed {args.testbed_prefix!r} up: {world} hosts, {args.dpus} DPUs, link {args.link_rate}")
-                tb.up(hosts=world, dpus=args.dpus, link_rate=args.link_rate, cpu_split=True,
-                      services=False, shape_dpus=args.shape_dpus)
+                # `tb` is set only once up() succeeded: a refused up (that prefix is already up, e.g.
+                # another benchmark's) must not tear the other run's testbed down in `finally`;
+                # a failed up cleans up after itself.
+                bed.up(hosts=world, dpus=args.dpus, link_rate=args.link_rate, cpu_split=True,
+                       services=False, shape_dpus=args.shape_dpus)
+                tb = bed
             methods = {}
             gl = [m for m in args.baselines if m in B.METHODS]
             if gl:
@@ -184,7 +188,8 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
                 idx = [np.load(wd / f"idx{r}.npy") for r in range(world)]
                 mode = getattr(args, "mode", None) or "sum"  # dpu_fw's --mode: the result dosa sends
                 traffic = L.dosa_traffic(idx, args.numel, dpus=max(1, args.dpus), mode=mode,
-                                         density=args.density)
+                                         density=args.density,
+                                         multicast=os.environ.get("DOSA_MULTICAST", "1") != "0")
                 traffic["mode"] = mode
                 methods["limit"] = L.link_limit(traffic, args.link_rate, shape_dpus=args.shape_dpus,
                                                 packet_rate=pr["pps"] if pr else None)

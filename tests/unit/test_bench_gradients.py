@@ -113,7 +113,7 @@ def test_dosa_traffic_matches_the_packetizer():
     numel, psize = 300_000, 1 << 14
     gr = G.make_gradients(3, numel, 0.5, seed=4)
     sets = [G.topk_indices(g, 3000) for g in gr]
-    tr = L.dosa_traffic(sets, numel, dpus=2, partition_size=psize)
+    tr = L.dosa_traffic(sets, numel, dpus=2, partition_size=psize, multicast=False)
     pmap = wire.PartitionMap(numel, psize, 2)
     for h, idx in zip(tr["hosts"], sets):
         b = packetizer.packetize(idx.astype(np.uint32), np.ones(len(idx), np.int32), pmap,
@@ -132,6 +132,8 @@ def test_dosa_traffic_matches_the_packetizer():
     assert lim["link_s"] == pytest.approx(busiest * 8 / 1e9)
     assert lim["packets_s"] == pytest.approx(max(d["packets_out"] for d in tr["dpus"]) / 1e5)
     assert lim["median_s"] == max(lim["link_s"], lim["packets_s"])
+    mc = L.dosa_traffic(sets, numel, dpus=2, partition_size=psize)  # multicast: one copy per packet
+    assert sum(d["packets_out"] for d in mc["dpus"]) == len(rb)
 
 
 def test_parse_rate():
