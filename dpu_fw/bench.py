@@ -110,6 +110,94 @@ def _check(mode: str, ridx, sums, ref_idx, ref_sum, job) -> bool:
     return bool(np.all(hi_out <= lo_in))
 
 
+def _save_atomic(path: Path, **arrays) -> None:
+    """np.savez to ``path`` via a temporary name, so a reader polling for it never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path, e2e_dir: Path,
+                rounds: int, warmup: int, density: float, rec: dict) -> None:
+    """Time dosa end to end, like the baselines' ``end_to_end``: dense gradient in (the work folder's
+    ``grad{rank}.npy``), error feedback + top-k selection + quantization
+    (host_lib.encoder.RoundEncoder, the fast selector), the allreduce, dense float32 sum out (only
+    the entries the last round wrote are cleared, as the baseline does). The gtopk mode also folds
+    the entries the DPU did not return back into the residual.
+
+    The check stays outside the timed part: every host writes what it actually sent in each round
+    (``sent<rank>_<round>.npz``: idx, q) and the digest of its result; rank 0 waits for all of them
+    and checks every round's result against the exact int64 sum of the hosts' sent entries
+    (:func:`_check`, so gtopk is checked too), and that every host got the same bytes. Every host
+    also checks its dense output against its sparse result."""
+    import hashlib
+
+    from host_lib.encoder import RoundEncoder
+    from host_lib.quantize import dequantize
+
+    g = np.load(workdir / f"grad{rank}.npy")
+    enc = RoundEncoder(c.job.numel, density, workers, method="fast", seed=rank)
+    out = np.zeros(c.job.numel, np.float32)
+    touched = None
+    times, cpu, sent_n, kept = [], [], [], []
+    dense_ok = True
+    for r in range(warmup + rounds):
+        t0, c0 = time.perf_counter(), time.process_time()
+        e = enc.encode(g, scale)
+        nz = e.values != 0  # a zero after quantization is not sent (its remainder is in the residual)
+        idx, q = e.indices[nz], e.values[nz]
+        ridx, sums = c.allreduce_sparse(idx, q, scale)
+        if mode == "gtopk":
+            enc.fold_back(*enc.unapplied(type(e)(idx, q, scale), ridx), scale)
+        vals = dequantize(sums, scale)
+        if touched is None:
+            out[:] = 0
+        else:
+            out[touched] = 0
+        out[ridx] = vals
+        touched = ridx
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        dense_ok &= bool(np.count_nonzero(out) == np.count_nonzero(vals)
+                         and np.array_equal(out[ridx], vals))
+        _save_atomic(e2e_dir / f"sent{rank}_{r}.npz", idx=idx, q=q,
+                     digest=np.frombuffer(hashlib.sha1(ridx.tobytes() + sums.tobytes()).digest(),
+                                          np.uint8))
+        if rank == 0:
+            kept.append((ridx, sums))
+        if r >= warmup:
+            times.append(dt)
+            cpu.append(dc)
+            sent_n.append(len(idx))
+    rec["e2e_round_s"] = times
+    rec["e2e_cpu_s"] = cpu
+    rec["e2e_entries_sent"] = sent_n
+    rec["e2e_dense_ok"] = dense_ok
+    if rank != 0:
+        return
+    # rank 0: every host's sent entries of every round -> the exact reference, compared
+    checked = wrong = 0
+    deadline = time.monotonic() + 120
+    for r in range(warmup + rounds):
+        files = [e2e_dir / f"sent{w}_{r}.npz" for w in range(workers)]
+        while not all(f.exists() for f in files):
+            if time.monotonic() > deadline:
+                raise DosaError(f"end to end: not every host wrote its round-{r} entries in 120 s")
+            time.sleep(0.05)
+        data = [np.load(f) for f in files]
+        allidx = np.concatenate([d["idx"].astype(np.int64) for d in data])
+        uniq, inv = np.unique(allidx, return_inverse=True)
+        tot = np.zeros(len(uniq), np.int64)
+        np.add.at(tot, inv, np.concatenate([d["q"] for d in data]).astype(np.int64))
+        nzt = tot != 0
+        ridx, sums = kept[r]
+        ok = _check(mode, ridx, sums, uniq[nzt], tot[nzt], c.job)
+        ok &= all(np.array_equal(d["digest"], data[0]["digest"]) for d in data)
+        checked += workers
+        wrong += 0 if ok else workers
+    rec["e2e_rounds_checked"] = checked
+    rec["e2e_rounds_wrong"] = wrong
+
+
 def host_main(argv=None) -> int:
     """One rank: join, run rounds, check every round's result, write ``<out>/rank<RANK>.json``."""
     ap = argparse.ArgumentParser(prog="python -m dpu_fw.bench --host")
@@ -170,6 +258,11 @@ def host_main(argv=None) -> int:
             rec["entries_sent"] = int(len(idx))
             rec["result_entries"] = int(len(ridx))
             rec["retransmissions"] = c.retransmissions
+            if a.inputs and os.environ.get("DOSA_BENCH_END_TO_END", "1") != "0":
+                e2e_dir = Path(a.out) / "e2e"
+                e2e_dir.mkdir(exist_ok=True)
+                _end_to_end(c, a.mode, rank, workers, int(scale), Path(a.inputs), e2e_dir, a.rounds,
+                            a.warmup, a.density, rec)
     except DosaError as e:
         rec["error"] = str(e)
     with open(Path(a.out) / f"rank{rank}.json", "w") as f:
@@ -321,7 +414,27 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
     if errors:
         raise DosaError(f"{path} path failed: {errors[0]}")
     per_round = np.max(np.array([r["round_s"] for r in ranks]), axis=0)
+    e2e = {}
+    if all("e2e_round_s" in r for r in ranks):
+        t = np.max(np.array([r["e2e_round_s"] for r in ranks]), axis=0)
+        checked, wrong = ranks[0].get("e2e_rounds_checked", 0), ranks[0].get("e2e_rounds_wrong", 0)
+        dense_ok = all(r["e2e_dense_ok"] for r in ranks)
+        e2e = {
+            "end_to_end": {"median_s": float(np.median(t)), "min_s": float(t.min()),
+                           "max_s": float(t.max()), "rounds_s": [float(x) for x in t]},
+            "check_end_to_end": {
+                "ok": bool(checked > 0 and wrong == 0 and dense_ok), "tolerance": "exact (fixed point)",
+                "reference": "int64 sum of the (idx, q) every host actually sent in that round",
+                "max_err_over_tol": 0.0 if checked > 0 and wrong == 0 and dense_ok else float("inf"),
+                "ranks_checked": len(ranks), "rounds_checked": checked, "rounds_wrong": wrong,
+                "dense_out_matches_sparse_result": dense_ok},
+            "selector": "host_lib.encoder.RoundEncoder (topk_fast, error feedback)",
+            "entries_sent_per_host_end_to_end": int(statistics.median(
+                [statistics.median(r["e2e_entries_sent"]) for r in ranks])),
+            "host_cpu_s_per_round_end_to_end": [float(statistics.median(r["e2e_cpu_s"])) for r in ranks],
+        }
     return {
+        **e2e,
         "median_round_s": float(statistics.median(per_round)),
         "round_s": [float(x) for x in per_round],
         "bytes_sent_per_host": [int(statistics.median(r["sent"])) for r in ranks],
@@ -373,6 +486,9 @@ def run_bench(args) -> int:
               f"{statistics.median(m['bytes_sent_per_host']) / mb:7.2f} MB, received "
               f"{statistics.median(m['bytes_received_per_host']) / mb:7.2f} MB   "
               f"verified (every round, every host)={m['verified_all_rounds']}")
+        if "end_to_end" in m:
+            print(f"dosa_{p:<10} end to end   {m['end_to_end']['median_s'] * 1e3:8.1f} ms   "
+                  f"checked={m['check_end_to_end']['ok']}")
     if "dosa_xdp" in report["methods"] and "dosa_userspace" in report["methods"]:
         ratio = report["methods"]["dosa_userspace"]["median_round_s"] / \
             report["methods"]["dosa_xdp"]["median_round_s"]

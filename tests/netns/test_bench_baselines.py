@@ -100,4 +100,8 @@ def test_bench_cli_with_dosa_xdp(tmp_path, capsys):
         assert ms[name]["check"]["ok"], (name, ms[name]["check"])
         assert "transport" in ms[name]["ratio_to_dosa_xdp"]
     assert ms["dosa_xdp"]["ratio_to_dosa_xdp"]["transport"] == 1.0
+    # dosa end to end (dense gradient in, selection + error feedback, dense sum out), checked exactly
+    assert ms["dosa_xdp"]["check_end_to_end"]["ok"], ms["dosa_xdp"]["check_end_to_end"]
+    assert ms["dosa_xdp"]["check_end_to_end"]["rounds_checked"] == 2 * 3
+    assert ms["dosa_xdp"]["ratio_to_dosa_xdp"]["end_to_end"] == 1.0
     assert ms["limit"]["packet_rate_pps"] > 0
