@@ -117,6 +117,15 @@ def _save_atomic(path: Path, **arrays) -> None:
     os.replace(tmp, path)
 
 
+def _wait_files(files: list[Path], what: str, timeout: float = 120.0) -> None:
+    """A barrier between the hosts through the shared folder: wait until every file exists."""
+    deadline = time.monotonic() + timeout
+    while not all(f.exists() for f in files):
+        if time.monotonic() > deadline:
+            raise DosaError(f"end to end: not every host wrote {what} in {timeout:.0f} s")
+        time.sleep(0.002)
+
+
 def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path, e2e_dir: Path,
                 rounds: int, warmup: int, density: float, rec: dict) -> None:
     """Time dosa end to end, like the baselines' ``end_to_end``: dense gradient in (the work folder's
@@ -126,7 +135,8 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
     the entries the DPU did not return back into the residual.
 
     The check stays outside the timed part: every host writes what it actually sent in each round
-    (``sent<rank>_<round>.npz``: idx, q) and the digest of its result; rank 0 waits for all of them
+    (``sent<rank>_<round>.npz``: idx, q) and the digest of its result; the next round starts when
+    all hosts' files of this one exist (a barrier, like the baselines'); rank 0 waits for all of them
     and checks every round's result against the exact int64 sum of the hosts' sent entries
     (:func:`_check`, so gtopk is checked too), and that every host got the same bytes. Every host
     also checks its dense output against its sparse result."""
@@ -141,7 +151,14 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
     touched = None
     times, cpu, sent_n, kept = [], [], [], []
     dense_ok = True
+    (e2e_dir / f"start{rank}").touch()
+    _wait_files([e2e_dir / f"start{w}" for w in range(workers)], "its start mark")
     for r in range(warmup + rounds):
+        # every round starts after a barrier (as the baselines' dist.barrier()): one host's untimed
+        # checking and writing must not show up as another host's waiting
+        if r:
+            _wait_files([e2e_dir / f"sent{w}_{r - 1}.npz" for w in range(workers)],
+                        f"its round-{r - 1} entries")
         t0, c0 = time.perf_counter(), time.process_time()
         e = enc.encode(g, scale)
         nz = e.values != 0  # a zero after quantization is not sent (its remainder is in the residual)
@@ -176,13 +193,9 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
         return
     # rank 0: every host's sent entries of every round -> the exact reference, compared
     checked = wrong = 0
-    deadline = time.monotonic() + 120
     for r in range(warmup + rounds):
         files = [e2e_dir / f"sent{w}_{r}.npz" for w in range(workers)]
-        while not all(f.exists() for f in files):
-            if time.monotonic() > deadline:
-                raise DosaError(f"end to end: not every host wrote its round-{r} entries in 120 s")
-            time.sleep(0.05)
+        _wait_files(files, f"its round-{r} entries")
         data = [np.load(f) for f in files]
         allidx = np.concatenate([d["idx"].astype(np.int64) for d in data])
         uniq, inv = np.unique(allidx, return_inverse=True)
