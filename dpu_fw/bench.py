@@ -9,7 +9,11 @@ through the control plane, reads its sparse input from host_lib.bench's work fol
 uniform random indices without one), runs warm-up then timed rounds of ``allreduce_sparse``, checks
 EVERY round's result against the exact fixed-point reference, and writes its per-round times, CPU
 time, bytes and retransmissions. A round's time is the slowest host's; the report gives the median
-over the timed rounds.
+over the timed rounds. With a work folder the host then also times dosa END TO END (``_end_to_end``:
+dense gradient in, RoundEncoder error feedback + top-k + quantization, allreduce, dense sum out),
+each round after a barrier, every round checked against the exact sum of what the hosts sent
+(``end_to_end`` / ``check_end_to_end`` in the record, like the baselines'; ``DOSA_BENCH_END_TO_END=0``
+skips it).
 
 Knobs for experiments (environment, reaching hosts and DPU services): ``DOSA_MULTICAST=0`` (unicast
 fan-out), ``DOSA_BENCH_THREADED_NAPI=0``, ``DOSA_BENCH_WINDOW=N`` (partitions in flight a host),
