@@ -4,7 +4,6 @@ invalid sources are dropped and counted, control packets and duplicates of a com
 the DPU's UDP socket, and detach + teardown leave no program, pin or namespace behind."""
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import subprocess
@@ -12,6 +11,7 @@ import time
 import uuid
 
 import numpy as np
+from veth_pair import veth_pair
 import pytest
 
 from dosa import wire
@@ -22,30 +22,8 @@ HOST_IP, DPU_IP = "10.77.0.1", "10.77.0.2"
 PORT = wire.DEFAULT_PORT
 
 
-def ip(*args):
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
-@contextlib.contextmanager
 def lab():
-    """Two namespaces joined by a veth; removed at exit, also on failure."""
-    tag = uuid.uuid4().hex[:6]
-    h, d = f"dvh{tag}", f"dvd{tag}"
-    made = []
-    try:
-        for ns in (h, d):
-            ip("netns", "add", ns)
-            made.append(ns)
-            ip("-n", ns, "link", "set", "lo", "up")
-        ip("-n", h, "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", d)
-        ip("-n", h, "addr", "add", f"{HOST_IP}/24", "dev", "eth0")
-        ip("-n", d, "addr", "add", f"{DPU_IP}/24", "dev", "eth0")
-        ip("-n", h, "link", "set", "eth0", "up")
-        ip("-n", d, "link", "set", "eth0", "up")
-        yield h, d
-    finally:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    return veth_pair("dv", HOST_IP, DPU_IP)
 
 
 def send_from(ns: str, sport: int, payloads: list[bytes]) -> None:

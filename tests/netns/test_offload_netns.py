@@ -2,12 +2,10 @@
 bit-identical batches and validation metrics as on loopback, across a real link."""
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
-import uuid
 
 import numpy as np
+from veth_pair import veth_pair
 import pytest
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(180)]
@@ -16,31 +14,8 @@ HOST_IP, DPU_IP = "10.78.0.1", "10.78.0.2"
 DS = "digits:size=16,channels=2"
 
 
-def ip(*args):
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
-@contextlib.contextmanager
 def lab():
-    """A host and a DPU namespace joined by a veth; removed at exit, also on failure."""
-    tag = uuid.uuid4().hex[:6]
-    h, d = f"doh{tag}", f"dod{tag}"
-    made = []
-    try:
-        for ns in (h, d):
-            ip("netns", "add", ns)
-            made.append(ns)
-            ip("-n", ns, "link", "set", "lo", "up")
-        ip("-n", h, "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", d)
-        ip("-n", h, "addr", "add", f"{HOST_IP}/24", "dev", "eth0")
-        ip("-n", d, "addr", "add", f"{DPU_IP}/24", "dev", "eth0")
-        ip("-n", h, "link", "set", "eth0", "up")
-        ip("-n", d, "link", "set", "eth0", "up")
-        yield h, d
-    finally:
-        for ns in made:
-            subprocess.run(f"ip netns pids {ns} | xargs -r kill -9", shell=True, capture_output=True)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    return veth_pair("do", HOST_IP, DPU_IP)
 
 
 def test_services_in_a_dpu_namespace_serve_a_host_namespace_exactly():
