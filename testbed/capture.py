@@ -12,7 +12,6 @@ import os
 import re
 import select
 import signal
-import struct
 import subprocess
 import time
 from dataclasses import dataclass
@@ -110,25 +109,13 @@ class Tcpdump:
 
 
 def count_pcap_records(path: Path) -> int:
-    """Number of packet records in a classic pcap file (0 if it does not exist)."""
+    """Number of complete packet records in a capture file (0 if tcpdump has not written its
+    header yet). Uses dosa.capture's reader, the project's one pcap parser."""
+    from dosa.capture import read_frames
+
     try:
-        data = Path(path).read_bytes()
+        if Path(path).stat().st_size < 24:
+            return 0
     except OSError:
         return 0
-    if len(data) < 24:
-        return 0
-    magic = data[:4]
-    if magic in (b"\xd4\xc3\xb2\xa1", b"\x4d\x3c\xb2\xa1"):
-        endian = "<"
-    elif magic in (b"\xa1\xb2\xc3\xd4", b"\xa1\xb2\x3c\x4d"):
-        endian = ">"
-    else:
-        raise DosaError(f"{path} is not a pcap file")
-    off, n = 24, 0
-    while off + 16 <= len(data):
-        incl = struct.unpack_from(endian + "I", data, off + 8)[0]
-        off += 16 + incl
-        if off > len(data):
-            break  # truncated last record
-        n += 1
-    return n
+    return len(read_frames(path).off)

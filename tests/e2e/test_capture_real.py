@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from dosa import wire
+from dosa.capture import read_frames
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = REPO / "tests" / "netns" / "allreduce_host.py"
@@ -33,24 +34,6 @@ SHAPE = {"numel": 20000, "partition_size": 5000, "scale_exp": 16}
 
 
 # ------------------------------------------------------------------------------------ pcap editing
-def _records(buf: bytes):
-    """(offset of the frame's bytes, captured length) of every record of a classic pcap file
-    (tcpdump -w writes classic pcap; both byte orders)."""
-    magic = buf[:4]
-    if magic in (b"\xd4\xc3\xb2\xa1", b"\x4d\x3c\xb2\xa1"):
-        end = "<"
-    elif magic in (b"\xa1\xb2\xc3\xd4", b"\xa1\xb2\x3c\x4d"):
-        end = ">"
-    else:
-        raise AssertionError(f"not a classic pcap file (magic {magic.hex()})")
-    assert struct.unpack(end + "I", buf[20:24])[0] == 1, "expected Ethernet link type"
-    off = 24
-    while off + 16 <= len(buf):
-        incl = struct.unpack(end + "I", buf[off + 8:off + 12])[0]
-        yield off + 16, incl
-        off += 16 + incl
-
-
 def _udp(buf: bytes, frame: int, length: int):
     """(ip offset, udp offset) of an untagged Ethernet/IPv4/UDP frame, else None."""
     if length < 14 + 20 + 8 or buf[frame + 12:frame + 14] != b"\x08\x00":
@@ -75,10 +58,12 @@ def _udp_checksum(buf: bytes, ip: int, udp: int) -> int:
     return c or 0xFFFF
 
 
-def _result_packets(buf: bytes):
-    """Every SPARSE_RESULT in the capture: (udp offset, header, entries)."""
+def _result_packets(buf: bytes, frames) -> list:
+    """Every SPARSE_RESULT in the capture: (ip offset, udp offset, header, entries). ``frames``
+    (dosa.capture.read_frames) locates the records: the project's one pcap reader."""
+    assert (frames.linktype == 1).all(), "expected Ethernet link type"
     out = []
-    for frame, length in _records(buf):
+    for frame, length in zip(frames.off.tolist(), frames.caplen.tolist()):
         loc = _udp(buf, frame, length)
         if loc is None:
             continue
@@ -99,7 +84,7 @@ def flip_one_result_value(src: Path, dst: Path, prefer_gtopk: bool, skip=frozens
     once in the capture, so the change is not also a conflict between copies, and whose
     (job, round, partition) is not in ``skip`` (groups verify could not check)."""
     buf = bytearray(src.read_bytes())
-    pkts = _result_packets(buf)
+    pkts = _result_packets(buf, read_frames(src))
     assert pkts, "the capture has no SPARSE_RESULT packet"
     keys = [(h.job_id, h.round, h.partition, h.seq) for _, _, h, _ in pkts]
     single = [p for p, k in zip(pkts, keys) if keys.count(k) == 1 and k[:3] not in skip
