@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("sklearn")
+import torch  # noqa: F401  (a required dependency: missing = an error, not a skip)
+import sklearn  # noqa: F401
 
 from dosa.demo import DemoConfig, LoopbackCluster, run_demo, run_local_ranks, free_port  # noqa: E402
 from dosa.errors import DosaError  # noqa: E402

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("sklearn")
+import torch  # noqa: F401  (a required dependency: missing = an error, not a skip)
+import sklearn  # noqa: F401
 
 from dosa.demo import DemoConfig, run_demo  # noqa: E402
 

@@ -19,7 +19,7 @@ def lab():
 
 
 def test_services_in_a_dpu_namespace_serve_a_host_namespace_exactly():
-    torch = pytest.importorskip("torch")
+    import torch
     from control.netns import run_in_netns
     from dpu_fw.offload.augment import AugmentConfig, make_pipeline
     from dpu_fw.offload.models import build_model, state_arrays

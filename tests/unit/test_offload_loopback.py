@@ -55,7 +55,7 @@ def test_offloaded_batches_equal_local_batches_bit_for_bit(services):
 
 @pytest.mark.timeout(120)
 def test_loader_yields_torch_tensors_like_a_dataloader(services):
-    torch = pytest.importorskip("torch")
+    import torch
     loader = OffloadedLoader(services.augment_address, dataset=DS, batch_size=100, seed=0)
     x, y = next(iter(loader))
     assert isinstance(x, torch.Tensor) and x.dtype == torch.float32 and tuple(x.shape) == (100, 2, 16, 16)
@@ -136,7 +136,7 @@ def test_killed_service_midepoch_without_fallback_raises_after_exact_batches():
 @pytest.fixture(scope="module")
 def trained():
     """A small CNN trained for a few steps (so its metrics are not those of a constant)."""
-    torch = pytest.importorskip("torch")
+    import torch
     torch.manual_seed(0)
     model = build_model({"family": "cnn", "in_shape": [2, 16, 16], "classes": 10, "channels": [8]})
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

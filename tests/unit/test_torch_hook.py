@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 import torch.distributed as dist  # noqa: E402
 
 from host_lib import hook_codec  # noqa: E402
