@@ -3,8 +3,8 @@
 For each path a fresh testbed (testbed.Testbed: H host namespaces, M DPU namespaces, a bridge) is
 brought up with that mode (its DPUs run ``dosa ctl serve`` and ``dosa dpu run``), shaped like the
 baselines' (``--link-rate``, hosts on one core and the DPU on the other when they run on a testbed;
-XDP path: the DPU's receive in threaded NAPI on the DPU core, a pfifo on the bridge port towards
-it). Every host runs this module's host side (``python -m dpu_fw.bench --host ...``), which joins
+the testbed itself puts the DPU's receive in threaded NAPI on the DPU core and a pfifo on the
+bridge port towards it). Every host runs this module's host side (``python -m dpu_fw.bench --host ...``), which joins
 through the control plane, reads its sparse input from host_lib.bench's work folder (``--inputs``;
 uniform random indices without one), runs warm-up then timed rounds of ``allreduce_sparse``, checks
 EVERY round's result against the exact fixed-point reference, and writes its per-round times, CPU
@@ -16,7 +16,7 @@ each round after a barrier, every round checked against the exact sum of what th
 skips it).
 
 Knobs for experiments (environment, reaching hosts and DPU services): ``DOSA_MULTICAST=0`` (unicast
-fan-out), ``DOSA_BENCH_THREADED_NAPI=0``, ``DOSA_BENCH_WINDOW=N`` (partitions in flight a host),
+fan-out), ``DOSA_BENCH_WINDOW=N`` (partitions in flight a host),
 ``DOSA_BENCH_PROFILE=DIR`` (a CPU-time cProfile of each host's rounds, ``DIR/rank<r>.prof``).
 
 JSON layout (``--json``)::
@@ -327,57 +327,6 @@ def _cpu_use(a: dict, b: dict, seconds: float) -> dict:
     return out
 
 
-def _napi_threads() -> dict[int, str]:
-    """{pid: comm} of the kernel's threaded-NAPI workers (``napi/<dev>-<id>``)."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/comm") as f:
-                    comm = f.read().strip()
-            except OSError:
-                continue
-            if comm.startswith("napi/"):
-                out[int(d)] = comm
-    return out
-
-
-def _dpu_napi_on_dpu_cores(tb) -> list[int]:
-    """Run the DPUs' receive (the XDP merge) on the DPU cores, as on a real DPU.
-
-    On a veth the XDP program runs in the NAPI poll of the receiving end, which the kernel schedules
-    on the CPU that sent the packet: with ``cpu_split`` that is the host core, so the hosts would
-    pay for the DPU's merge. Threaded NAPI on each DPU's eth0 moves that poll to a kernel thread,
-    pinned here to the DPU cores. Returns the pinned thread ids ([] where the kernel refuses)."""
-    import subprocess
-
-    st = tb.status()
-    cpus = st.get("config", {}).get("dpu_cpus") or next(
-        (n["cpus"] for n in st.get("nodes", []) if n["role"] == "dpu"), None)
-    if not cpus:
-        return []
-    before = _napi_threads()
-    fab = st.get("fabric", {}).get("namespace")
-    for n in st.get("nodes", []):
-        if n["role"] == "dpu" and fab and not st.get("config", {}).get("shape_dpus"):
-            # the bridge's port towards the DPU: a queue instead of veth's noqueue, so a burst
-            # bigger than the DPU's 256-slot XDP ring waits (backpressure) instead of being dropped
-            subprocess.run(["tc", "-n", fab, "qdisc", "replace", "dev", n["name"], "root", "pfifo",
-                            "limit", "100000"], check=False, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
-    for n in st.get("nodes", []):
-        if n["role"] == "dpu":
-            subprocess.run(["ip", "netns", "exec", n["namespace"], "sh", "-c",
-                            "echo 1 > /sys/class/net/eth0/threaded"], check=False,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(0.2)
-    new = [pid for pid, comm in _napi_threads().items() if pid not in before and "eth0" in comm]
-    for pid in new:
-        subprocess.run(["taskset", "-pc", ",".join(map(str, cpus)), str(pid)], check=False,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return new
-
-
 def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> dict:
     """Run one dosa path (``xdp`` or ``userspace``) on its own testbed, shaped like the baselines'
     (``args.link_rate`` on the host links, ``cpu_split``: hosts on one core, the DPU on the other),
@@ -402,8 +351,8 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
           shape_dpus=bool(getattr(args, "shape_dpus", False)))
     try:
         up_s = time.monotonic() - t_up
-        napi = _dpu_napi_on_dpu_cores(tb) if cpu_split and path == "xdp" and \
-            os.environ.get("DOSA_BENCH_THREADED_NAPI", "1") != "0" else []
+        # the testbed runs the DPUs' receive (the XDP merge) in threaded NAPI on the DPU cores
+        napi = tb.status().get("dpu_napi_threads") or []
         argv = [sys.executable, "-m", "dpu_fw.bench", "--host", "--numel", str(args.numel),
                 "--density", str(args.density), "--rounds", str(args.rounds), "--warmup",
                 str(args.warmup), "--mode", args.mode, "--out", str(res_dir)]

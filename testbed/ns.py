@@ -49,6 +49,21 @@ def tc(*args: str, ns: str) -> subprocess.CompletedProcess:
     return sh(["tc", "-n", ns, *args])
 
 
+def napi_threads() -> dict[int, str]:
+    """{pid: comm} of the kernel's threaded-NAPI workers (``napi/<dev>-<id>``)."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/comm") as f:
+                    comm = f.read().strip()
+            except OSError:
+                continue
+            if comm.startswith("napi/"):
+                out[int(d)] = comm
+    return out
+
+
 def list_netns() -> list[str]:
     p = sh(["ip", "netns", "list"], check=False)
     return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
