@@ -65,25 +65,28 @@ def _workdir_inputs(workdir: Path, rank: int, workers: int):
     s = choose_scale_exp(m, workers)
     idxs = [np.load(workdir / f"idx{r}.npy").astype(np.int64) for r in range(workers)]
     qs = [quantize(v, s, workers)[0] for v in vals]
-    allidx = np.concatenate(idxs)
-    uniq, inv = np.unique(allidx, return_inverse=True)
-    tot = np.zeros(len(uniq), np.int64)
-    np.add.at(tot, inv, np.concatenate(qs).astype(np.int64))
-    nz = tot != 0
+    ref_idx, ref_sum = _exact_sparse_sum(idxs, qs)
     mine = qs[rank] != 0  # a zero after quantization is not sent (the DPU would not see it either)
     return (idxs[rank][mine].astype(np.uint32), qs[rank][mine].astype(np.int32), s,
-            uniq[nz], tot[nz])
+            ref_idx, ref_sum)
+
+
+def _exact_sparse_sum(idxs, qs) -> tuple[np.ndarray, np.ndarray]:
+    """The exact fixed-point sum of several hosts' (indices, values): (indices i64, sums i64) of
+    every non-zero sum, sorted by index. The one reference every dosa check compares with."""
+    allidx = np.concatenate([np.asarray(i, np.int64) for i in idxs])
+    uniq, inv = np.unique(allidx, return_inverse=True)
+    tot = np.zeros(len(uniq), np.int64)
+    np.add.at(tot, inv, np.concatenate([np.asarray(q, np.int64) for q in qs]))
+    nz = tot != 0
+    return uniq[nz], tot[nz]
 
 
 def _random_inputs(numel: int, density: float, workers: int, seed: int, rank: int):
     """Fallback without a work folder: uniform random indices (uncorrelated hosts)."""
     data = [_inputs(numel, density, workers, seed, 0, w) for w in range(workers)]
-    allidx = np.concatenate([d[0] for d in data]).astype(np.int64)
-    uniq, inv = np.unique(allidx, return_inverse=True)
-    tot = np.zeros(len(uniq), np.int64)
-    np.add.at(tot, inv, np.concatenate([d[1] for d in data]).astype(np.int64))
-    nz = tot != 0
-    return data[rank][0], data[rank][1], 0, uniq[nz], tot[nz]
+    ref_idx, ref_sum = _exact_sparse_sum([d[0] for d in data], [d[1] for d in data])
+    return data[rank][0], data[rank][1], 0, ref_idx, ref_sum
 
 
 def _check(mode: str, ridx, sums, ref_idx, ref_sum, job) -> bool:
@@ -201,13 +204,9 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
         files = [e2e_dir / f"sent{w}_{r}.npz" for w in range(workers)]
         _wait_files(files, f"its round-{r} entries")
         data = [np.load(f) for f in files]
-        allidx = np.concatenate([d["idx"].astype(np.int64) for d in data])
-        uniq, inv = np.unique(allidx, return_inverse=True)
-        tot = np.zeros(len(uniq), np.int64)
-        np.add.at(tot, inv, np.concatenate([d["q"] for d in data]).astype(np.int64))
-        nzt = tot != 0
+        ref_idx, ref_sum = _exact_sparse_sum([d["idx"] for d in data], [d["q"] for d in data])
         ridx, sums = kept[r]
-        ok = _check(mode, ridx, sums, uniq[nzt], tot[nzt], c.job)
+        ok = _check(mode, ridx, sums, ref_idx, ref_sum, c.job)
         ok &= all(np.array_equal(d["digest"], data[0]["digest"]) for d in data)
         checked += workers
         wrong += 0 if ok else workers
