@@ -82,13 +82,42 @@ def bpffs_mounted() -> bool:
         return any(line.split()[1:3] == [BPFFS, "bpf"] for line in f if len(line.split()) > 2)
 
 
-def _private_mount_ns() -> bool:
-    """True when this process is not in init's mount namespace (as under `ip netns exec`, where
-    even reading /proc/1/ns/mnt is refused)."""
-    try:
-        return os.readlink("/proc/self/ns/mnt") != os.readlink("/proc/1/ns/mnt")
-    except OSError:
-        return True
+def _sysfs_source(mountinfo: str) -> str | None:
+    """The mount source of the sysfs mounted on /sys in a /proc/<pid>/mountinfo text (None: none).
+
+    A mountinfo line is ``id parent major:minor root mountpoint opts [optional...] - fstype source
+    superopts``; the last sysfs mount on /sys is the one this process sees."""
+    source = None
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if sep and len(fields) >= 5 and len(tail) >= 2 and fields[4] == "/sys" and tail[0] == "sysfs":
+            source = tail[1]
+        elif sep and len(fields) >= 5 and fields[4] == "/sys":
+            source = None  # something else covers /sys now
+    return source
+
+
+def under_ip_netns_exec(mountinfo: str | None = None, netns_names: list[str] | None = None) -> bool:
+    """True when this process runs under `ip netns exec NAME`, in the mount namespace it made.
+
+    The evidence is what `ip netns exec` leaves behind: it unshares the mount namespace and mounts a
+    new sysfs on /sys with the namespace's name as its source (the machine's own /sys says
+    ``sysfs``), which hides /sys/fs/bpf. Pins made there would be invisible to every other process.
+    Nothing is inferred from /proc/1/ns/mnt: on some machines even root cannot read it."""
+    if mountinfo is None:
+        try:
+            with open("/proc/self/mountinfo") as f:
+                mountinfo = f.read()
+        except OSError:
+            return False
+    if netns_names is None:
+        try:
+            netns_names = os.listdir("/run/netns")
+        except OSError:
+            netns_names = []
+    source = _sysfs_source(mountinfo)
+    return source is not None and source in netns_names
 
 
 BPFFS_HINT = ("/sys/fs/bpf is not mounted in this mount namespace (`ip netns exec` remounts /sys); "
@@ -96,12 +125,15 @@ BPFFS_HINT = ("/sys/fs/bpf is not mounted in this mount namespace (`ip netns exe
 
 
 def ensure_bpffs() -> None:
-    """Mount bpffs at /sys/fs/bpf when it is not (some minimal systems do not mount it). Refuses in
-    a private mount namespace: pins there would be invisible to every other process."""
+    """Mount bpffs at /sys/fs/bpf when it is not (a fresh machine of this kind does not mount it;
+    `make setup` does, and this covers a user who skipped setup). Refuses under `ip netns exec`,
+    whose private /sys would hide the pins from every other process."""
     if bpffs_mounted():
         return
-    if _private_mount_ns():
+    if under_ip_netns_exec():
         raise DosaError(BPFFS_HINT)
+    if not os.path.isdir(BPFFS):
+        raise DosaError(f"{BPFFS} does not exist: this kernel has no BPF filesystem (CONFIG_BPF_SYSCALL)")
     r = subprocess.run(["mount", "-t", "bpf", "bpf", BPFFS], capture_output=True, text=True)
     if r.returncode != 0:
         raise DosaError(f"cannot mount the BPF filesystem on {BPFFS}: {r.stderr.strip()}")

@@ -132,7 +132,7 @@ class DataplaneMaps:
         loader.require_root("opening the dataplane maps")
         d = loader.pin_dir(instance)
         if not loader.is_loaded(instance):
-            if not loader.bpffs_mounted():
+            if not loader.bpffs_mounted() and loader.under_ip_netns_exec():
                 raise DosaError(loader.BPFFS_HINT)
             raise DosaError(f"dataplane instance {instance!r} is not loaded (no pins in {d}); "
                             "run `dosa ctl attach` first")

@@ -36,6 +36,15 @@ if [ ! -e "$KDIR/build" ]; then
     ln -sfn "$COMMON" "$KDIR/source"
 fi
 
+# 2b. What a fresh machine lacks: bpffs, kernel features, /run/netns ----------
+# A new machine of this kind does not mount the BPF filesystem; the dataplane pins its program and
+# maps there.
+bash scripts/mount_bpffs.sh
+mkdir -p /run/netns
+# Kernel features the dataplane and testbed use. Built in on this kernel; where a feature is a module,
+# load it; where it can be neither, say which one is missing in one sentence.
+bash scripts/kernel_features.sh || die "the kernel lacks features dosa needs (listed above)"
+
 # 3. Virtual environment that can import bcc -------------------------------
 if [ ! -x "$VENV/bin/python" ]; then
     log "creating virtual environment $VENV"
