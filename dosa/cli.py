@@ -16,10 +16,9 @@ COMMAND_MODULES = [
     "dosa.capture_cli",
     "control.cli",
     "testbed.cli",
-    "host_lib.cli",
-    "dataplane.cli",
     "dpu_fw.cli",
     "dpu_fw.offload_cli",
+    "benchmarks.cli",
     "dosa.demo_cli",
 ]
 

@@ -10,7 +10,7 @@ Two ways to run the ranks (``backend``):
   itself) on 127.0.0.1 and the ranks as local processes with torchrun's environment. Used by the tests
   and when the testbed cannot run here.
 
-Both runs happen in ONE launch of ``host_lib.train_digits --comm dosa,dense`` (torch imports once
+Both runs happen in ONE launch of ``examples.train_digits --comm dosa,dense`` (torch imports once
 per rank; same data split, same seed, same initial weights). Everything started is stopped in a
 ``finally`` (also on Ctrl-C): DPU workers, ranks, the testbed.
 
@@ -90,12 +90,12 @@ class DemoConfig:
 
     @property
     def numel(self) -> int:
-        """Gradient entries of host_lib.train_digits.DigitsMLP(hidden): the dosa job's size."""
+        """Gradient entries of examples.train_digits.DigitsMLP(hidden): the dosa job's size."""
         h = self.hidden
         return 64 * h + h + h * h + h + h * 10 + 10
 
     def train_argv(self, json_path: str) -> list[str]:
-        return [sys.executable, "-m", "host_lib.train_digits", "--comm", "dosa,dense",
+        return [sys.executable, "-m", "examples.train_digits", "--comm", "dosa,dense",
                 "--density", repr(float(self.density)), "--epochs", str(self.epochs),
                 "--batch-size", str(self.batch_size), "--warmup-steps", str(self.warmup_steps),
                 "--hidden", str(self.hidden), "--seed", str(self.seed), "--json", json_path,

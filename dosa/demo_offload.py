@@ -13,7 +13,7 @@ so the service streams exactly that rank's batches. Both modes see bit-identical
 same pipeline: docs/offload.md), start from the same weights and therefore must produce the same
 losses, which the summary checks.
 
-Launched like host_lib.train_digits (torchrun's variables); each rank writes ``--json`` ({rank}).
+Launched like examples.train_digits (torchrun's variables); each rank writes ``--json`` ({rank}).
 """
 from __future__ import annotations
 

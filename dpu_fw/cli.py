@@ -1,4 +1,4 @@
-"""``dosa dpu run`` (the DPU worker) and ``dosa bench allreduce``."""
+"""``dosa dpu run``: the DPU worker."""
 from __future__ import annotations
 
 import logging
@@ -155,27 +155,3 @@ def _control_discovery(control, bind):
         return out
 
     return discover
-
-
-def register_bench(bench_sub) -> None:
-    b = bench_sub.add_parser("allreduce", help="time dosa allreduce through the DPU (XDP and userspace paths)")
-    from host_lib.bench.runner import _hosts_list, add_arguments as add_bench_options
-
-    b.add_argument("--hosts", type=_hosts_list, default=[4], help="host count, or a comma list (2,4,8)")
-    b.add_argument("--dpus", type=int, default=1)
-    b.add_argument("--numel", type=int, default=25_000_000)
-    b.add_argument("--density", type=float, default=0.01)
-    b.add_argument("--rounds", type=int, default=5, help="timed rounds (after --warmup)")
-    b.add_argument("--warmup", type=int, default=2)
-    b.add_argument("--paths", default="xdp,userspace", help="comma list of xdp,userspace")
-    b.add_argument("--mode", choices=("sum", "gtopk"), default="sum")
-    b.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    add_bench_options(b)  # baselines, limit, gradients, link rate, plot (host_lib.bench); skips the above
-    b.set_defaults(func=cmd_bench)
-
-
-def cmd_bench(args) -> int:
-    # dosa's paths (dpu_fw.bench) run beside host_lib.bench's baselines in one invocation
-    from host_lib.bench import runner
-
-    return runner.cli_run(args, extra_methods=runner.dpu_fw_methods(args))

@@ -1,7 +1,7 @@
-"""``dosa offload serve-augment | serve-validate | train`` and ``dosa bench offload``."""
+"""``dosa offload serve-augment | serve-validate | train``."""
 from __future__ import annotations
 
-from dpu_fw.offload import bench, service, validation
+from dpu_fw.offload import service, validation
 
 
 def _train(args) -> int:
@@ -31,21 +31,3 @@ def register(sub) -> None:
     t.add_argument("--offload", action="store_true", help="start the services and use them")
     t.add_argument("--cpus", default=None, help="CPUs for the services (with --offload)")
     t.set_defaults(func=_train)
-
-
-def register_bench(bench_sub) -> None:
-    b = bench_sub.add_parser("offload", help="time per epoch: host-only vs augmentation+validation offloaded")
-    b.add_argument("--json", default=None, help="write the results here")
-    b.add_argument("--plot", default=None, help="write a PNG bar chart here (needs matplotlib)")
-    b.add_argument("--dataset", default=bench.DEFAULT_DATASET)
-    b.add_argument("--epochs", type=int, default=3, help="epochs per timed run")
-    b.add_argument("--rounds", type=int, default=5, help="timed runs per mode (alternating)")
-    b.add_argument("--batch-size", type=int, default=64)
-    b.add_argument("--hidden", type=int, default=384, help="hidden width of the MLP trained")
-    b.add_argument("--host-cpu", type=int, default=0)
-    b.add_argument("--dpu-cpus", default="1")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--nice", type=int, default=0,
-                   help="niceness of the host loop and the services alike (e.g. -10 on a busy shared "
-                        "machine, to approach dedicated cores; below 0 needs root)")
-    b.set_defaults(func=bench.main)

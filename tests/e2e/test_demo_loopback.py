@@ -76,7 +76,7 @@ def test_fallback_is_agreed_across_ranks_warns_once_and_still_trains(tmp_path):
         envs = [cluster.rank_env(r, port) for r in range(2)]
         del envs[1]["DOSA_JOB_CONFIG"]
         out = tmp_path / "r{rank}.json"
-        run_local_ranks([sys.executable, "-m", "host_lib.train_digits", "--comm", "dosa",
+        run_local_ranks([sys.executable, "-m", "examples.train_digits", "--comm", "dosa",
                          "--epochs", "2", "--quiet", "--json", str(out)], envs, tmp_path,
                         timeout=100, echo=None, env={"DOSA_CONTROL_ADDR": "", "DOSA_CONTROL_PORT": ""})
     for r in range(2):

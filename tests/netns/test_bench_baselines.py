@@ -8,10 +8,10 @@ import subprocess
 
 import pytest
 
-from host_lib.bench import baselines as B
-from host_lib.bench import gradients as G
-from host_lib.bench import limit as L
-from host_lib.bench import report as R
+from benchmarks.allreduce import baselines as B
+from benchmarks.allreduce import gradients as G
+from benchmarks.allreduce import limit as L
+from benchmarks.allreduce import report as R
 
 import torch  # noqa: F401  (a required dependency: missing = an error, not a skip)
 
@@ -82,7 +82,7 @@ def test_baselines_in_testbed_namespaces():
 @pytest.mark.root
 @pytest.mark.timeout(150)
 def test_bench_cli_with_dosa_xdp(tmp_path, capsys):
-    """The joined command: dosa's XDP path (dpu_fw.bench, its own testbed) beside the baselines on a
+    """The joined command: dosa's XDP path (benchmarks.allreduce.dosa_paths, its own testbed) beside the baselines on a
     shaped testbed; every method's result verified, ratios to dosa_xdp present."""
     from dosa.cli import main
 

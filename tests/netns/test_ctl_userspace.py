@@ -131,7 +131,7 @@ def test_two_dpu_userspace_gtopk_allreduce_on_a_testbed(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     with scratch_testbed(hosts=2, dpus=2, mode="userspace") as tb:
-        argv = [sys.executable, "-m", "dpu_fw.bench", "--host", "--numel", "200000", "--density",
+        argv = [sys.executable, "-m", "benchmarks.allreduce.dosa_paths", "--host", "--numel", "200000", "--density",
                 "0.004", "--rounds", "3", "--warmup", "0", "--mode", "gtopk", "--out", str(out),
                 "--timeout", "30"]
         run = tb.run(argv, timeout=90, echo=False, log_dir=tmp_path / "logs")

@@ -130,7 +130,7 @@ def test_real_traffic_merges_exactly_and_teardown_leaves_nothing():
 def test_bench_dataplane_small_run_is_exact_and_cleans_up():
     """`dosa bench dataplane` at a tiny size: every sum exact, every packet merged (the qdisc gives
     backpressure instead of drops), nothing left behind. No timing is asserted."""
-    from dataplane import bench
+    from benchmarks import dataplane as bench
 
     def namespaces():
         out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

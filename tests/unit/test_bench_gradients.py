@@ -1,4 +1,4 @@
-"""host_lib.bench without processes or namespaces: gradients, overlap, saved files, the traffic model
+"""benchmarks.allreduce without processes or namespaces: gradients, overlap, saved files, the traffic model
 behind ``limit`` (checked against the real packetizer), the reference check and the report."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 
 from dosa import wire
 from host_lib import packetizer
-from host_lib.bench import baselines as B
-from host_lib.bench import gradients as G
-from host_lib.bench import limit as L
-from host_lib.bench import report as R
+from benchmarks.allreduce import baselines as B
+from benchmarks.allreduce import gradients as G
+from benchmarks.allreduce import limit as L
+from benchmarks.allreduce import report as R
 
 pytestmark = pytest.mark.timeout(60)
 

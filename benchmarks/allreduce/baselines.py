@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from host_lib.bench import gradients as G
+from benchmarks.allreduce import gradients as G
 
 METHODS = ("gloo_dense", "gloo_sparse_allgather")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -269,7 +269,7 @@ def _free_port() -> int:
 
 
 def _worker_argv(d: Path, methods, rounds: int, warmup: int, threads: int, op_timeout: float) -> list[str]:
-    return [sys.executable, "-m", "host_lib.bench.baselines", "--worker", "--dir", str(d),
+    return [sys.executable, "-m", "benchmarks.allreduce.baselines", "--worker", "--dir", str(d),
             "--methods", ",".join(methods), "--rounds", str(rounds), "--warmup", str(warmup),
             "--threads", str(threads), "--op-timeout", str(op_timeout)]
 

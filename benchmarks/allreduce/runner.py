@@ -2,13 +2,13 @@
 
 This module owns the options and the loop over host counts; the dosa methods themselves are run by
 a callback (``extra_methods``) that the dosa side passes in, so the baselines and dosa always see the
-same files (:func:`host_lib.bench.baselines.prepare_workdir`) in the same invocation::
+same files (:func:`benchmarks.allreduce.baselines.prepare_workdir`) in the same invocation::
 
-    from host_lib.bench import runner
+    from benchmarks.allreduce import runner
     runner.add_arguments(parser)            # adds only options the parser does not have yet
     doc = runner.run_bench(args, extra_methods=fn)   # fn(hosts, workdir, testbed) -> {name: record}
 
-``python -m host_lib.bench`` runs the baselines and the limit alone (:func:`main`).
+``python -m benchmarks.allreduce`` runs the baselines and the limit alone (:func:`main`).
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from dosa.errors import DosaError
-from host_lib.bench import baselines as B
-from host_lib.bench import gradients as G
-from host_lib.bench import limit as L
-from host_lib.bench import report as R
+from benchmarks.allreduce import baselines as B
+from benchmarks.allreduce import gradients as G
+from benchmarks.allreduce import limit as L
+from benchmarks.allreduce import report as R
 
 
 def _hosts_list(text) -> list[int]:
@@ -118,7 +118,7 @@ def _gradients_for(args, world: int, loaded) -> list[np.ndarray]:
 
 def run_bench(args, extra_methods=None, progress=None) -> dict:
     """Run every method for every host count in ``args.hosts``; return the JSON document (see
-    :mod:`host_lib.bench.report`), also written to ``args.json`` / ``args.plot`` when given.
+    :mod:`benchmarks.allreduce.report`), also written to ``args.json`` / ``args.plot`` when given.
 
     ``extra_methods(hosts, workdir, testbed)`` -> ``{name: record}`` runs dosa's methods over the
     same inputs (``testbed`` is the one the baselines ran on, or None on loopback).
@@ -226,8 +226,8 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
 
 
 def dpu_fw_methods(args):
-    """An ``extra_methods`` callback running dosa's paths with dpu_fw.bench (engineer D's runner),
-    its records converted to this schema. Each path gets its own testbed (dpu_fw.bench brings it
+    """An ``extra_methods`` callback running dosa's paths with benchmarks.allreduce.dosa_paths (engineer D's runner),
+    its records converted to this schema. Each path gets its own testbed (benchmarks.allreduce.dosa_paths brings it
     up in the path's mode); ``args.paths`` / ``args.mode`` are dpu_fw's options.
 
     Every dosa host reads the work folder's idx{r}/val{r}.npy (the baselines' inputs) and its testbed
@@ -236,7 +236,7 @@ def dpu_fw_methods(args):
     import copy
     import statistics
 
-    from dpu_fw import bench as dosa_bench
+    from benchmarks.allreduce import dosa_paths as dosa_bench
 
     paths = [x.strip() for x in str(getattr(args, "paths", "xdp,userspace") or "").split(",") if x.strip()]
     for p in paths:
@@ -294,8 +294,8 @@ def cli_run(args, extra_methods=None) -> int:
 
 
 def main(argv=None) -> int:
-    """``python -m host_lib.bench``: the baselines and the limit alone, table on stdout."""
-    ap = argparse.ArgumentParser(prog="python -m host_lib.bench",
+    """``python -m benchmarks.allreduce``: the baselines and the limit alone, table on stdout."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.allreduce",
                                  description="Gloo baselines and the link limit of dosa, over correlated gradients.")
     add_arguments(ap)
     args = ap.parse_args(argv)

@@ -251,7 +251,7 @@ def measure_packet_rate(duration: float = 1.0, payload: int = wire.MAX_UDP_PAYLO
         _ip("-n", b, "addr", "add", f"{_ADDR_RX}/30", "dev", vb)
         _ip("-n", a, "link", "set", va, "up")
         _ip("-n", b, "link", "set", vb, "up")
-        me = [sys.executable, "-m", "host_lib.bench.limit", "--duration", str(duration), "--payload", str(payload)]
+        me = [sys.executable, "-m", "benchmarks.allreduce.limit", "--duration", str(duration), "--payload", str(payload)]
         rx = subprocess.Popen(["ip", "netns", "exec", b, *me, "--role", "recv"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         procs.append(rx)

@@ -6,8 +6,8 @@ Launched like any torchrun script: it reads RANK, WORLD_SIZE, MASTER_ADDR, MASTE
 LOCAL_RANK) from the environment; ``dosa testbed run`` sets them plus the DOSA_* variables the hook
 uses to join the job. Without them it runs as a single process (world size 1).
 
-    torchrun --nproc-per-node 4 -m host_lib.train_digits --comm dense --epochs 20
-    dosa testbed run -- python -m host_lib.train_digits --comm dosa --density 0.01 --json out-{rank}.json
+    torchrun --nproc-per-node 4 -m examples.train_digits --comm dense --epochs 20
+    dosa testbed run -- python -m examples.train_digits --comm dosa --density 0.01 --json out-{rank}.json
 
 Each rank records its loss per step and the test accuracy (the replicas are identical, which the
 script checks at the end). With ``--json PATH`` every rank writes ``{"runs": [summary, ...]}`` (``{rank}`` in PATH is replaced by the rank; without it only rank 0 writes).

@@ -4,8 +4,8 @@ For each path a fresh testbed (testbed.Testbed: H host namespaces, M DPU namespa
 brought up with that mode (its DPUs run ``dosa ctl serve`` and ``dosa dpu run``), shaped like the
 baselines' (``--link-rate``, hosts on one core and the DPU on the other when they run on a testbed;
 the testbed itself puts the DPU's receive in threaded NAPI on the DPU core and a pfifo on the
-bridge port towards it). Every host runs this module's host side (``python -m dpu_fw.bench --host ...``), which joins
-through the control plane, reads its sparse input from host_lib.bench's work folder (``--inputs``;
+bridge port towards it). Every host runs this module's host side (``python -m benchmarks.allreduce.dosa_paths --host ...``), which joins
+through the control plane, reads its sparse input from benchmarks.allreduce's work folder (``--inputs``;
 uniform random indices without one), runs warm-up then timed rounds of ``allreduce_sparse``, checks
 EVERY round's result against the exact fixed-point reference, and writes its per-round times, CPU
 time, bytes and retransmissions. A round's time is the slowest host's; the report gives the median
@@ -54,7 +54,7 @@ def _inputs(numel: int, density: float, workers: int, seed: int, rnd: int, w: in
 
 
 def _workdir_inputs(workdir: Path, rank: int, workers: int):
-    """This rank's input from host_lib.bench's work folder (the baselines' exact top-k, ``idx{r}``
+    """This rank's input from benchmarks.allreduce's work folder (the baselines' exact top-k, ``idx{r}``
     / ``val{r}``), quantized with the scale exponent every rank derives from the largest |value| of
     all ranks (so all agree), plus the exact fixed-point reference of the sum, computed once.
     Returns (idx u32, q i32, scale_exp, ref_idx i64, ref_sum i64)."""
@@ -216,7 +216,7 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
 
 def host_main(argv=None) -> int:
     """One rank: join, run rounds, check every round's result, write ``<out>/rank<RANK>.json``."""
-    ap = argparse.ArgumentParser(prog="python -m dpu_fw.bench --host")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.allreduce.dosa_paths --host")
     ap.add_argument("--host", action="store_true")
     ap.add_argument("--numel", type=int, required=True)
     ap.add_argument("--density", type=float, required=True)
@@ -224,7 +224,7 @@ def host_main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--mode", default="sum")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--inputs", default=None, help="host_lib.bench work folder (idx{r}/val{r}.npy)")
+    ap.add_argument("--inputs", default=None, help="benchmarks.allreduce work folder (idx{r}/val{r}.npy)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--retx-interval", type=float, default=0.25)
@@ -329,7 +329,7 @@ def _cpu_use(a: dict, b: dict, seconds: float) -> dict:
 def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> dict:
     """Run one dosa path (``xdp`` or ``userspace``) on its own testbed, shaped like the baselines'
     (``args.link_rate`` on the host links, ``cpu_split``: hosts on one core, the DPU on the other),
-    every host reading its input from ``workdir`` (host_lib.bench's work folder) when given.
+    every host reading its input from ``workdir`` (benchmarks.allreduce's work folder) when given.
     Every round's result is checked against the exact reference on every host."""
     from dosa.wire import DEFAULT_PARTITION_SIZE, PartitionMap
     from testbed.core import Testbed
@@ -352,7 +352,7 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
         up_s = time.monotonic() - t_up
         # the testbed runs the DPUs' receive (the XDP merge) in threaded NAPI on the DPU cores
         napi = tb.status().get("dpu_napi_threads") or []
-        argv = [sys.executable, "-m", "dpu_fw.bench", "--host", "--numel", str(args.numel),
+        argv = [sys.executable, "-m", "benchmarks.allreduce.dosa_paths", "--host", "--numel", str(args.numel),
                 "--density", str(args.density), "--rounds", str(args.rounds), "--warmup",
                 str(args.warmup), "--mode", args.mode, "--out", str(res_dir)]
         if workdir is not None:

@@ -11,10 +11,10 @@ _EXPORTS = {"prepare_workdir": "baselines", "run_baselines": "baselines", "add_a
 
 
 def __getattr__(name):
-    # lazy: the worker processes run ``python -m host_lib.bench.baselines`` / ``.limit``, which must
+    # lazy: the worker processes run ``python -m benchmarks.allreduce.baselines`` / ``.limit``, which must
     # not be imported by the package first (runpy would warn and run the module twice)
     if name in _EXPORTS:
         import importlib
 
-        return getattr(importlib.import_module(f"host_lib.bench.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'host_lib.bench' has no attribute {name!r}")
+        return getattr(importlib.import_module(f"benchmarks.allreduce.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'benchmarks.allreduce' has no attribute {name!r}")

@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.allreduce.runner import main
+
+sys.exit(main())

@@ -1,5 +1,0 @@
-import sys
-
-from host_lib.bench.runner import main
-
-sys.exit(main())
