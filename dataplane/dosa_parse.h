@@ -9,15 +9,7 @@
 #include <linux/udp.h>
 #include "dosa_wire.h"
 
-#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-#define dosa_ntohs(x) ((__u16)__builtin_bswap16(x))
-#define dosa_ntohl(x) ((__u32)__builtin_bswap32(x))
-#define dosa_htons(x) ((__u16)__builtin_bswap16(x))
-#else
-#define dosa_ntohs(x) ((__u16)(x))
-#define dosa_ntohl(x) ((__u32)(x))
-#define dosa_htons(x) ((__u16)(x))
-#endif
+/* dosa_ntohs/dosa_ntohl/dosa_htons come with the generated dosa_wire.h. */
 
 #define DOSA_IP_MF 0x2000
 #define DOSA_IP_OFFSET 0x1FFF

@@ -1,6 +1,6 @@
 /* dosa dataplane state: the structs the XDP program and user space share through BPF maps.
- * dataplane/layout.py mirrors each struct with ctypes; tests/dataplane/test_layout.py checks
- * the sizes and offsets against the ones BCC compiled (so the two cannot drift).
+ * dataplane/layout.py holds each struct's layout table (ctypes) for user space;
+ * tests/dataplane/test_layout.py checks them against the ones BCC compiled (so the two cannot drift).
  * See docs/dataplane.md for the map layouts and why they are shaped this way. */
 #ifndef DOSA_STATE_H
 #define DOSA_STATE_H
@@ -30,7 +30,7 @@
 #define DOSA_RINGBUF_PAGES 64 /* 256 KiB: > 10k completion events */
 #endif
 
-#define DOSA_SCALE_TAG_BIAS 256 /* scale_tag = scale_exp + bias: never 0, so 0 means "unset" */
+/* DOSA_SCALE_TAG_BIAS comes from dataplane/layout.py (c_defines(), put before the program text). */
 
 /* jobs: hash job_id -> job. Written only by the control plane. */
 struct dosa_job {

@@ -1,12 +1,23 @@
-/* dosa wire protocol v1 -- C mirror of dosa/wire.py (the one definition).
- * tests/unit/test_wire_c_header.py compiles this header and checks every offset, size and
- * constant against the Python definition. Spec: docs/protocol.md. All fields big-endian. */
+/* dosa wire protocol v1: GENERATED from dosa/wire.py by `python -m dataplane.gen_headers`;
+ * do not edit (tests/unit/test_wire_c_header.py fails when this file and wire.py differ).
+ * Spec: docs/protocol.md. All fields big-endian. The check returns DOSA_C_* counters of
+ * dataplane/reasons.py, whose enum the loader puts before the program text. */
 #ifndef DOSA_WIRE_H
 #define DOSA_WIRE_H
 
 #include <linux/types.h>
 
-#define DOSA_MAGIC 0x444F5341u /* "DOSA" */
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define dosa_ntohs(x) ((__u16)__builtin_bswap16(x))
+#define dosa_ntohl(x) ((__u32)__builtin_bswap32(x))
+#define dosa_htons(x) ((__u16)__builtin_bswap16(x))
+#else
+#define dosa_ntohs(x) ((__u16)(x))
+#define dosa_ntohl(x) ((__u32)(x))
+#define dosa_htons(x) ((__u16)(x))
+#endif
+
+#define DOSA_MAGIC 0x444F5341u
 #define DOSA_VERSION 1
 #define DOSA_HDR_LEN 32
 #define DOSA_SPARSE_ENTRY_LEN 8
@@ -30,7 +41,7 @@ enum dosa_type {
 	DOSA_T_DENSE_RESULT = 4,
 	DOSA_T_RETX_REQUEST = 5,
 	DOSA_T_HEARTBEAT = 6,
-	DOSA_T_STATUS = 7, /* DPU -> host only: never reaches the XDP program */
+	DOSA_T_STATUS = 7,
 };
 
 #define DOSA_F_LAST 0x0001
@@ -57,7 +68,136 @@ struct dosa_hdr {
 
 struct dosa_sparse_entry {
 	__be32 index;
-	__be32 value; /* s32 two's complement, big-endian */
+	__be32 value;
 } __attribute__((packed, aligned(4)));
+
+static __always_inline __u32 dosa_type_ok(__u32 type)
+{
+	if (type == DOSA_T_SPARSE_DATA)
+		return 1;
+	if (type == DOSA_T_DENSE_DATA)
+		return 1;
+	if (type == DOSA_T_SPARSE_RESULT)
+		return 1;
+	if (type == DOSA_T_DENSE_RESULT)
+		return 1;
+	if (type == DOSA_T_RETX_REQUEST)
+		return 1;
+	if (type == DOSA_T_HEARTBEAT)
+		return 1;
+	if (type == DOSA_T_STATUS)
+		return 1;
+	return 0;
+}
+
+static __always_inline __u32 dosa_sequenced(__u32 type)
+{
+	if (type == DOSA_T_SPARSE_DATA)
+		return 1;
+	if (type == DOSA_T_DENSE_DATA)
+		return 1;
+	if (type == DOSA_T_SPARSE_RESULT)
+		return 1;
+	if (type == DOSA_T_DENSE_RESULT)
+		return 1;
+	return 0;
+}
+
+static __always_inline __u32 dosa_sparse(__u32 type)
+{
+	if (type == DOSA_T_SPARSE_DATA)
+		return 1;
+	if (type == DOSA_T_SPARSE_RESULT)
+		return 1;
+	return 0;
+}
+
+static __always_inline __u32 dosa_entry_len(__u32 type)
+{
+	if (type == DOSA_T_SPARSE_DATA)
+		return 8;
+	if (type == DOSA_T_DENSE_DATA)
+		return 4;
+	if (type == DOSA_T_SPARSE_RESULT)
+		return 8;
+	if (type == DOSA_T_DENSE_RESULT)
+		return 4;
+	if (type == DOSA_T_RETX_REQUEST)
+		return 4;
+	if (type == DOSA_T_STATUS)
+		return 4;
+	return 0;
+}
+
+static __always_inline __u32 dosa_max_entries(__u32 type)
+{
+	if (type == DOSA_T_SPARSE_DATA)
+		return 180;
+	if (type == DOSA_T_DENSE_DATA)
+		return 360;
+	if (type == DOSA_T_SPARSE_RESULT)
+		return 180;
+	if (type == DOSA_T_DENSE_RESULT)
+		return 360;
+	if (type == DOSA_T_RETX_REQUEST)
+		return 360;
+	if (type == DOSA_T_STATUS)
+		return 360;
+	return 0;
+}
+
+/* What a packet says about itself (dosa/wire.py HEADER_RULES, in order): the counter of
+ * the first broken rule, or -1 when the header is well formed for a plen-byte payload. */
+static __always_inline int dosa_check_header(const struct dosa_hdr *h, __u32 plen)
+{
+	__s64 f_length = plen;
+	__s64 f_magic = dosa_ntohl(h->magic);
+	__s64 f_version = (h->version);
+	__s64 f_type = (h->type);
+	__s64 f_flags = dosa_ntohs(h->flags);
+	__s64 f_job_id = dosa_ntohl(h->job_id);
+	__s64 f_worker_id = dosa_ntohs(h->worker_id);
+	__s64 f_partition = dosa_ntohs(h->partition);
+	__s64 f_round = dosa_ntohl(h->round);
+	__s64 f_seq = dosa_ntohs(h->seq);
+	__s64 f_count = dosa_ntohs(h->count);
+	__s64 f_total = dosa_ntohs(h->total);
+	__s64 f_scale_exp = (__s8)(h->scale_exp);
+	__s64 f_reserved = (h->reserved);
+	__s64 f_base = dosa_ntohl(h->base);
+	if ((f_length < DOSA_HDR_LEN))
+		return DOSA_C_SHORT_PACKET;
+	if ((f_magic != DOSA_MAGIC))
+		return DOSA_C_BAD_MAGIC;
+	if ((f_version != DOSA_VERSION))
+		return DOSA_C_BAD_VERSION;
+	if ((dosa_type_ok(f_type) == 0))
+		return DOSA_C_BAD_TYPE;
+	if ((f_count > dosa_max_entries(f_type)))
+		return DOSA_C_COUNT_MISMATCH;
+	if ((f_length != (DOSA_HDR_LEN + (dosa_entry_len(f_type) * f_count))))
+		return DOSA_C_COUNT_MISMATCH;
+	if (((f_flags & ~DOSA_F_VALID_MASK) != 0))
+		return DOSA_C_BAD_FIELD;
+	if ((f_reserved != 0))
+		return DOSA_C_BAD_FIELD;
+	if ((dosa_sequenced(f_type) & ((f_total < 1) | (f_total > DOSA_MAX_PACKETS_PER_CONTRIBUTION))))
+		return DOSA_C_BAD_FIELD;
+	if ((dosa_sequenced(f_type) & (f_seq >= f_total)))
+		return DOSA_C_BAD_FIELD;
+	if ((dosa_sequenced(f_type) & (((f_flags & DOSA_F_LAST) != 0) != (f_seq == (f_total - 1)))))
+		return DOSA_C_BAD_FIELD;
+	if ((dosa_sequenced(f_type) & ((f_scale_exp < DOSA_SCALE_EXP_MIN) | (f_scale_exp > DOSA_SCALE_EXP_MAX))))
+		return DOSA_C_BAD_FIELD;
+	if ((dosa_sparse(f_type) & (f_base != 0)))
+		return DOSA_C_BAD_FIELD;
+	if (((f_worker_id >= DOSA_MAX_WORKERS) & (f_worker_id != DOSA_DPU_SENDER_ID)))
+		return DOSA_C_BAD_FIELD;
+	if ((f_partition >= DOSA_MAX_PARTITIONS))
+		return DOSA_C_BAD_FIELD;
+	(void)f_job_id;
+	(void)f_round;
+	return -1;
+}
 
 #endif /* DOSA_WIRE_H */

@@ -34,70 +34,16 @@ static __always_inline int verdict(u32 idx, int action)
 #define DROP(reason) verdict(DOSA_C_##reason, XDP_DROP)
 #define PASS(reason) verdict(DOSA_C_##reason, XDP_PASS)
 
-static __always_inline int is_data_or_result(u8 type)
-{
-	return type >= DOSA_T_SPARSE_DATA && type <= DOSA_T_DENSE_RESULT;
-}
-
-/* Entry size of a packet type; 0 for HEARTBEAT. type is already known to be 1..7. */
-static __always_inline u32 entry_len(u8 type)
-{
-	if (type == DOSA_T_SPARSE_DATA || type == DOSA_T_SPARSE_RESULT)
-		return DOSA_SPARSE_ENTRY_LEN;
-	if (type == DOSA_T_HEARTBEAT)
-		return 0;
-	return DOSA_DENSE_ENTRY_LEN; /* dense data/result, retx seqs, status ids: 4 bytes */
-}
-
-static __always_inline u32 max_entries(u8 type)
-{
-	if (type == DOSA_T_SPARSE_DATA || type == DOSA_T_SPARSE_RESULT)
-		return DOSA_MAX_SPARSE_ENTRIES;
-	if (type == DOSA_T_HEARTBEAT)
-		return 0;
-	return DOSA_MAX_DENSE_ENTRIES;
-}
-
-/* Checks of what a packet says about itself (dosa/wire.py validate_header). Returns a counter
- * index of the broken rule, or -1 when the header is well formed for a payload of plen bytes. */
+/* The header rules live once, in dosa/wire.py: dosa_check_header() is generated from them into
+ * dosa_wire.h. What only the DPU adds is the direction: results and STATUS travel DPU -> host, so
+ * one arriving here is misdirected. Returns a counter index, or -1 when the packet may go on. */
 static __always_inline int check_header(struct dosa_hdr *h, u32 plen)
 {
-	u8 type = h->type;
-	u16 flags = dosa_ntohs(h->flags);
-	u16 cnt = dosa_ntohs(h->count);
-	u16 seq = dosa_ntohs(h->seq);
-	u16 total = dosa_ntohs(h->total);
-	u16 wid = dosa_ntohs(h->worker_id);
-	s8 scale = h->scale_exp;
+	int bad = dosa_check_header(h, plen);
 
-	if (dosa_ntohl(h->magic) != DOSA_MAGIC)
-		return DOSA_C_BAD_MAGIC;
-	if (h->version != DOSA_VERSION)
-		return DOSA_C_BAD_VERSION;
-	if (type < DOSA_T_SPARSE_DATA || type > DOSA_T_STATUS)
-		return DOSA_C_BAD_TYPE;
-	if (cnt > max_entries(type) || plen != DOSA_HDR_LEN + entry_len(type) * (u32)cnt)
-		return DOSA_C_COUNT_MISMATCH;
-	if (flags & ~DOSA_F_VALID_MASK)
-		return DOSA_C_BAD_FIELD;
-	if (h->reserved != 0)
-		return DOSA_C_BAD_FIELD;
-	if (is_data_or_result(type)) {
-		if (total < 1 || total > DOSA_MAX_PACKETS_PER_CONTRIBUTION || seq >= total)
-			return DOSA_C_BAD_FIELD;
-		if (!!(flags & DOSA_F_LAST) != (seq == total - 1))
-			return DOSA_C_BAD_FIELD;
-		if (scale < DOSA_SCALE_EXP_MIN || scale > DOSA_SCALE_EXP_MAX)
-			return DOSA_C_BAD_FIELD;
-	}
-	if ((type == DOSA_T_SPARSE_DATA || type == DOSA_T_SPARSE_RESULT) && h->base != 0)
-		return DOSA_C_BAD_FIELD;
-	if (wid >= DOSA_MAX_WORKERS && wid != DOSA_DPU_SENDER_ID)
-		return DOSA_C_BAD_FIELD;
-	if (dosa_ntohs(h->partition) >= DOSA_MAX_PARTITIONS)
-		return DOSA_C_BAD_FIELD;
-	/* Results and STATUS travel DPU -> host: one arriving here is misdirected. */
-	if (type == DOSA_T_SPARSE_RESULT || type == DOSA_T_DENSE_RESULT || type == DOSA_T_STATUS)
+	if (bad >= 0)
+		return bad;
+	if (h->type == DOSA_T_SPARSE_RESULT || h->type == DOSA_T_DENSE_RESULT || h->type == DOSA_T_STATUS)
 		return DOSA_C_BAD_TYPE;
 	return -1;
 }

@@ -1,6 +1,10 @@
-"""ctypes / numpy mirrors of the structs in dataplane/dosa_state.h (the maps' keys and values).
+"""The layouts of the structs in dataplane/dosa_state.h (the maps' keys and values): one ctypes table
+per struct, and everything else derived from it (the numpy views of the mmapable arrays, the ring
+buffer record decoding, JobInfo's struct conversion in dataplane/maps.py).
 
-tests/dataplane/test_layout.py compares each against the struct BCC compiled, field by field.
+tests/dataplane/test_layout.py compares each table against the struct BCC compiled, field by field.
+Constants the C side shares with user space are defined here and given to the compiler by
+``c_defines()`` (the loader puts them before the program text, like the counter enum).
 """
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ import ctypes
 
 import numpy as np
 
-SCALE_TAG_BIAS = 256  # DOSA_SCALE_TAG_BIAS
+#: pstate.scale_tag = scale_exp + SCALE_TAG_BIAS: never 0 for a valid scale, so 0 means "unset"
+SCALE_TAG_BIAS = 256
 
 
 class Job(ctypes.Structure):
@@ -48,9 +53,14 @@ class Completion_(ctypes.Structure):
 
 U32 = ctypes.c_uint32
 
-#: numpy views of the mmapable state arrays (element stride = struct size, a multiple of 8)
-PSTATE_DTYPE = np.dtype([("base_round", "<u4"), ("reserved", "<u4"), ("workers_done", "<u8", 2),
-                         ("scale_tag", "<u8", 2)])
-WSTATE_DTYPE = np.dtype([("seen", "<u8", 4), ("received", "<u8"), ("total", "<u8")])
-assert PSTATE_DTYPE.itemsize == ctypes.sizeof(PState) == 40
-assert WSTATE_DTYPE.itemsize == ctypes.sizeof(WState) == 48
+#: numpy views of the mmapable state arrays and of ring buffer records, from the ctypes tables
+#: (element stride = struct size, a multiple of 8)
+PSTATE_DTYPE = np.dtype(PState)
+WSTATE_DTYPE = np.dtype(WState)
+COMPLETION_DTYPE = np.dtype(Completion_)
+assert PSTATE_DTYPE.itemsize == 40 and WSTATE_DTYPE.itemsize == 48 and COMPLETION_DTYPE.itemsize == 16
+
+
+def c_defines() -> str:
+    """C text of the constants above the program shares with user space."""
+    return f"#define DOSA_SCALE_TAG_BIAS {SCALE_TAG_BIAS}\n"

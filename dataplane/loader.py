@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dosa.errors import DosaError, NeedsRoot
 
-from . import libbpf, reasons
+from . import layout, libbpf, reasons
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "dosa_xdp.c"
@@ -140,8 +140,9 @@ def ensure_bpffs() -> None:
 
 
 def program_text() -> str:
-    """The C the kernel runs: the counter enum generated from reasons.py + dosa_xdp.c."""
-    return reasons.c_enum() + "\n" + SOURCE.read_text()
+    """The C the kernel runs: the counter enum generated from reasons.py, the constants layout.py
+    shares with C, then dosa_xdp.c (which includes the dosa_wire.h generated from dosa/wire.py)."""
+    return reasons.c_enum() + layout.c_defines() + "\n" + SOURCE.read_text()
 
 
 def compile_program(config: LoadConfig = LoadConfig()):

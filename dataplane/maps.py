@@ -31,11 +31,8 @@ from dosa.errors import DosaError
 
 from . import layout, libbpf, loader, reasons
 
-COMPLETION_FMT = struct.Struct("<IIHbBI")
-assert COMPLETION_FMT.size == ctypes.sizeof(layout.Completion_)
 
 MODE_SUM = 0  # exact sums of every index any worker sent
-MODE_SPARSE = MODE_SUM
 MODE_GTOPK = 1  # results carry only the k largest sums (the DPU worker applies it)
 MODES = {"sum": MODE_SUM, "gtopk": MODE_GTOPK}  # names as in host_lib.transport.JobConfig.mode
 
@@ -181,8 +178,8 @@ class DataplaneMaps:
     # DPU worker side
     # ---------------------------------------------------------------------------------------------
     def _on_completion(self, raw: bytes) -> None:
-        job_id, rnd, part, scale, _, _ = COMPLETION_FMT.unpack_from(raw)
-        self._pending.append(Completion(job_id, part, rnd, scale))
+        ev = layout.Completion_.from_buffer_copy(raw[:ctypes.sizeof(layout.Completion_)])
+        self._pending.append(Completion(ev.job_id, ev.partition, ev.round, ev.scale_exp))
 
     def poll_completions(self, timeout_ms: int = 0) -> list[Completion]:
         """Completion events since the last call, waiting up to ``timeout_ms`` for the first one."""

@@ -47,7 +47,6 @@ class Counter(enum.IntEnum):
 NUM_COUNTERS = len(Counter)
 DROP_REASONS = [c for c in Counter if c < Counter.MERGED]
 VERDICTS = [c for c in Counter if c < Counter.MERGED_ENTRIES]
-PASSES = [Counter.PASS_NOT_DOSA, Counter.PASS_CONTROL, Counter.PASS_DUP_OF_COMPLETE]
 
 
 def name(c: Counter) -> str:

@@ -1,9 +1,11 @@
 """The dosa wire protocol, version 1: the one definition every component uses.
 
-host_lib (packetizer, parser), dpu_fw (result packets), the scapy layer (``dosa.scapy_layer``) and the
-tests all take field names, sizes, offsets and constants from here. ``dataplane/dosa_wire.h`` mirrors
-it in C; ``tests/unit/test_wire_c_header.py`` compiles that header and checks every offset and size
-against this module, so the two cannot drift. The spec in prose is ``docs/protocol.md``.
+host_lib (packetizer, parser), dpu_fw (result packets), the scapy layer (``dosa.scapy_layer``), the
+capture reader and the tests all take field names, sizes, offsets, constants and the header rules
+from here; the tables are plain data so generators can read them. ``dataplane/dosa_wire.h`` is
+generated from this module (:func:`c_header`, ``python -m dataplane.gen_headers``), the XDP
+program's header check included; ``tests/unit/test_wire_c_header.py`` fails when they drift. The
+spec in prose is ``docs/protocol.md``.
 
 Layout: UDP payload = 32-byte header + ``count`` entries. All multi-byte fields are big-endian
 (network order). The entry size depends only on the packet type, so ``count`` alone sizes the payload.
@@ -175,45 +177,148 @@ def expected_length(ptype: int, count: int) -> int:
     return HDR_LEN + ENTRY_LEN[PacketType(ptype)] * count
 
 
+# --------------------------------------------------------------------------------------------------
+# Header rules: ONE table, evaluated vectorized in Python and rendered as the C check of the XDP
+# program (dataplane/dosa_wire.h is generated from this module by ``python -m dataplane.gen_headers``)
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeaderRule:
+    """One rule of what a packet says about itself, checked in table order (the first broken rule
+    names the verdict).
+
+    ``expr`` is True where the rule is BROKEN. It is written in the small expression language both
+    numpy (on int64 field arrays) and C (on host-order locals) read the same way: header field names,
+    ``length`` (the UDP payload length), the constants of :data:`RULE_CONSTANTS`, the per-type tables
+    of :data:`TYPE_TABLES` called like functions, integers, ``+ - * & | ~ == != < <= > >=``, and
+    parentheses around every binary operation (Python's ``&`` binds tighter than its comparisons,
+    C's does not: full parentheses make both read alike). ``reason`` is the dataplane counter
+    (dataplane/reasons.py, lower case); ``error`` the ProtocolError subclass the scalar check raises;
+    ``message`` a ``str.format`` template over the header's fields, ``length`` and the constants.
+    """
+
+    reason: str
+    error: type
+    expr: str
+    message: str
+
+
+#: Constants a rule may name; C spells them ``DOSA_<NAME>`` (the generated header defines them).
+RULE_CONSTANTS = {
+    "HDR_LEN": HDR_LEN, "MAGIC": MAGIC, "VERSION": VERSION, "F_VALID_MASK": FLAGS_VALID_MASK,
+    "F_LAST": int(Flags.LAST), "MAX_PACKETS_PER_CONTRIBUTION": MAX_PACKETS_PER_CONTRIBUTION,
+    "SCALE_EXP_MIN": SCALE_EXP_MIN, "SCALE_EXP_MAX": SCALE_EXP_MAX, "MAX_WORKERS": MAX_WORKERS,
+    "DPU_SENDER_ID": DPU_SENDER_ID, "MAX_PARTITIONS": MAX_PARTITIONS,
+}
+
+_SEQUENCED_TYPES = (PacketType.SPARSE_DATA, PacketType.DENSE_DATA, PacketType.SPARSE_RESULT,
+                    PacketType.DENSE_RESULT)
+_SPARSE_TYPES = (PacketType.SPARSE_DATA, PacketType.SPARSE_RESULT)
+
+#: Per-type tables a rule may call (``NAME(type)``): value per PacketType, 0 for any other type.
+#: C renders each as a ``dosa_<name>(type)`` function of the generated header.
+TYPE_TABLES = {
+    "TYPE_OK": {t: 1 for t in PacketType},
+    "SEQUENCED": {t: 1 for t in _SEQUENCED_TYPES},  # part of a (round, partition) contribution
+    "SPARSE": {t: 1 for t in _SPARSE_TYPES},
+    "ENTRY_LEN": {t: n for t, n in ENTRY_LEN.items()},
+    "MAX_ENTRIES": {t: n for t, n in MAX_ENTRIES.items()},
+}
+
+HEADER_RULES: list[HeaderRule] = [
+    HeaderRule("short_packet", TruncatedPacket, "(length < HDR_LEN)",
+               "packet has {length} bytes, shorter than the {HDR_LEN}-byte dosa header"),
+    HeaderRule("bad_magic", BadMagic, "(magic != MAGIC)",
+               "bad magic 0x{magic:08x} (expected 0x{MAGIC:08x} 'DOSA')"),
+    HeaderRule("bad_version", BadVersion, "(version != VERSION)",
+               "unsupported protocol version {version} (this is version {VERSION})"),
+    HeaderRule("bad_type", BadType, "(TYPE_OK(type) == 0)", "unknown packet type {type}"),
+    HeaderRule("count_mismatch", CountMismatch, "(count > MAX_ENTRIES(type))",
+               "count {count} exceeds the maximum {max_entries} for {type_name}"),
+    HeaderRule("count_mismatch", CountMismatch, "(length != (HDR_LEN + (ENTRY_LEN(type) * count)))",
+               "count {count} needs a {want}-byte payload, packet has {length}"),
+    HeaderRule("bad_field", BadField, "((flags & ~F_VALID_MASK) != 0)",
+               "unknown flag bits 0x{bad_flags:04x}"),
+    HeaderRule("bad_field", BadField, "(reserved != 0)", "reserved byte must be zero"),
+    HeaderRule("bad_field", BadField,
+               "(SEQUENCED(type) & ((total < 1) | (total > MAX_PACKETS_PER_CONTRIBUTION)))",
+               "total {total} outside 1..{MAX_PACKETS_PER_CONTRIBUTION}"),
+    HeaderRule("bad_field", BadField, "(SEQUENCED(type) & (seq >= total))",
+               "seq {seq} not below total {total}"),
+    HeaderRule("bad_field", BadField,
+               "(SEQUENCED(type) & (((flags & F_LAST) != 0) != (seq == (total - 1))))",
+               "LAST flag must be set exactly on seq == total - 1"),
+    HeaderRule("bad_field", BadField,
+               "(SEQUENCED(type) & ((scale_exp < SCALE_EXP_MIN) | (scale_exp > SCALE_EXP_MAX)))",
+               "scale_exp {scale_exp} outside {SCALE_EXP_MIN}..{SCALE_EXP_MAX}"),
+    HeaderRule("bad_field", BadField, "(SPARSE(type) & (base != 0))",
+               "base must be zero in sparse packets"),
+    HeaderRule("bad_field", BadField, "((worker_id >= MAX_WORKERS) & (worker_id != DPU_SENDER_ID))",
+               "worker_id {worker_id} outside 0..{max_worker}"),
+    HeaderRule("bad_field", BadField, "(partition >= MAX_PARTITIONS)",
+               "partition {partition} outside 0..{max_partition}"),
+]
+
+_TABLE_ARRAYS = {}
+for _name, _tab in TYPE_TABLES.items():
+    _a = np.zeros(256, np.int64)
+    for _t, _v in _tab.items():
+        _a[int(_t)] = _v
+    _TABLE_ARRAYS[_name] = _a
+_COMPILED_RULES = [compile(r.expr, f"<rule {i}: {r.reason}>", "eval") for i, r in enumerate(HEADER_RULES)]
+#: reason name of each rule code (code 0 = valid, code i = HEADER_RULES[i - 1] broken)
+RULE_REASONS = ["ok"] + [r.reason for r in HEADER_RULES]
+
+
+def header_verdicts(hdr: np.ndarray, length) -> np.ndarray:
+    """The header validator: per packet 0 when valid, else 1 + the index in HEADER_RULES of the
+    first rule it breaks. ``hdr`` is any structured array with the HEADER_FIELDS names (big-endian
+    views of packet buffers included), ``length`` the UDP payload lengths. Vectorized: one numpy pass
+    per rule over the whole batch; :func:`validate_header` is this function on one row."""
+    length = np.asarray(length, np.int64).reshape(-1)
+    ns = {n: hdr[n].astype(np.int64) for n, _, _ in HEADER_FIELDS}
+    ns["length"] = length
+    ns.update(RULE_CONSTANTS)
+    t = np.clip(ns["type"], 0, 255)
+    for name, arr in _TABLE_ARRAYS.items():
+        ns[name] = (lambda a: lambda _type: a[t])(arr)
+    code = np.zeros(len(length), np.int64)
+    for i in range(len(HEADER_RULES), 0, -1):  # backwards: the earliest broken rule wins
+        code[np.asarray(eval(_COMPILED_RULES[i - 1], {"__builtins__": {}}, ns), bool)] = i
+    return code
+
+
+def header_ok(hdr: np.ndarray, length) -> np.ndarray:
+    """True where a header is well formed (:func:`header_verdicts` == 0)."""
+    return header_verdicts(hdr, length) == 0
+
+
 def validate_header(h: Header, length: int) -> None:
-    """Raise ProtocolError unless ``h`` is a well-formed v1 header for a payload of ``length`` bytes.
+    """Raise ProtocolError unless ``h`` is a well-formed header for a payload of ``length`` bytes.
 
     Checks only what a packet says about itself; flow checks (job, worker, partition ownership,
-    index range, round window) belong to the receiver, which knows the job.
+    index range, round window) belong to the receiver, which knows the job. This is
+    :func:`header_verdicts` on one row: the rules exist once.
     """
-    if h.magic != MAGIC:
-        raise BadMagic(f"bad magic 0x{h.magic:08x} (expected 0x{MAGIC:08x} 'DOSA')")
-    if h.version != VERSION:
-        raise BadVersion(f"unsupported protocol version {h.version} (this is version {VERSION})")
-    try:
-        ptype = PacketType(h.type)
-    except ValueError:
-        raise BadType(f"unknown packet type {h.type}") from None
-    if h.count > MAX_ENTRIES[ptype]:
-        raise CountMismatch(f"count {h.count} exceeds the maximum {MAX_ENTRIES[ptype]} for {ptype.name}")
-    want = expected_length(ptype, h.count)
-    if length != want:
-        raise CountMismatch(f"count {h.count} needs a {want}-byte payload, packet has {length}")
-    if h.flags & ~FLAGS_VALID_MASK:
-        raise BadField(f"unknown flag bits 0x{h.flags & ~FLAGS_VALID_MASK:04x}")
-    if h.reserved != 0:
-        raise BadField("reserved byte must be zero")
-    if ptype in (PacketType.SPARSE_DATA, PacketType.DENSE_DATA, PacketType.SPARSE_RESULT,
-                 PacketType.DENSE_RESULT):
-        if not 1 <= h.total <= MAX_PACKETS_PER_CONTRIBUTION:
-            raise BadField(f"total {h.total} outside 1..{MAX_PACKETS_PER_CONTRIBUTION}")
-        if h.seq >= h.total:
-            raise BadField(f"seq {h.seq} not below total {h.total}")
-        if bool(h.flags & Flags.LAST) != (h.seq == h.total - 1):
-            raise BadField("LAST flag must be set exactly on seq == total - 1")
-        if not SCALE_EXP_MIN <= h.scale_exp <= SCALE_EXP_MAX:
-            raise BadField(f"scale_exp {h.scale_exp} outside {SCALE_EXP_MIN}..{SCALE_EXP_MAX}")
-    if ptype in (PacketType.SPARSE_DATA, PacketType.SPARSE_RESULT) and h.base != 0:
-        raise BadField("base must be zero in sparse packets")
-    if h.worker_id >= MAX_WORKERS and h.worker_id != DPU_SENDER_ID:
-        raise BadField(f"worker_id {h.worker_id} outside 0..{MAX_WORKERS - 1}")
-    if h.partition >= MAX_PARTITIONS:
-        raise BadField(f"partition {h.partition} outside 0..{MAX_PARTITIONS - 1}")
+    row = np.zeros(1, HEADER_DTYPE)
+    for n, _, _ in HEADER_FIELDS:
+        row[n] = getattr(h, n) & ((1 << (8 * HEADER_DTYPE[n].itemsize)) - 1) if HEADER_DTYPE[n].kind == "u" \
+            else getattr(h, n)
+    code = int(header_verdicts(row, [length])[0])
+    if code:
+        raise rule_error(code, {n: getattr(h, n) for n, _, _ in HEADER_FIELDS}, length)
+
+
+def rule_error(code: int, fields: dict, length: int) -> ProtocolError:
+    """The ProtocolError (subclass and sentence) of rule ``code`` for a header with ``fields``."""
+    rule = HEADER_RULES[code - 1]
+    t = fields["type"]
+    ctx = dict(fields, length=length, **RULE_CONSTANTS,
+               type_name=PacketType(t).name if t in TYPE_TABLES["TYPE_OK"] else str(t),
+               max_entries=TYPE_TABLES["MAX_ENTRIES"].get(t, 0),
+               want=HDR_LEN + TYPE_TABLES["ENTRY_LEN"].get(t, 0) * fields["count"],
+               bad_flags=fields["flags"] & ~FLAGS_VALID_MASK, max_worker=MAX_WORKERS - 1,
+               max_partition=MAX_PARTITIONS - 1)
+    return rule.error(rule.message.format(**ctx))
 
 
 def parse_packet(buf: bytes | memoryview) -> tuple[Header, np.ndarray]:
@@ -360,3 +465,88 @@ class PacketBatch:
 
     def select(self, mask) -> "PacketBatch":
         return PacketBatch(self.data[mask], self.lengths[mask], self.dest[mask])
+
+
+# --------------------------------------------------------------------------------------------------
+# The C rendering: dataplane/dosa_wire.h (written by ``python -m dataplane.gen_headers``; a test
+# fails when the file differs from this text)
+# --------------------------------------------------------------------------------------------------
+_C_PREFIX = "DOSA_"
+
+
+def _c_expr(expr: str) -> str:
+    """A rule expression in C: fields -> ``f_<name>`` locals, constants -> ``DOSA_<NAME>``, tables ->
+    ``dosa_<name>(type)`` calls."""
+    import re
+
+    fields = {n for n, _, _ in HEADER_FIELDS}
+
+    def sub(m):
+        w = m.group(0)
+        if w in TYPE_TABLES:
+            return f"dosa_{w.lower()}"
+        if w in RULE_CONSTANTS:
+            return _C_PREFIX + w
+        if w in fields or w == "length":
+            return f"f_{w}"
+        raise ValueError(f"rule names {w!r}, which is neither a field, a constant nor a table")
+
+    return re.sub(r"[A-Za-z_]\w*", sub, expr)
+
+
+def c_header() -> str:
+    """The text of dataplane/dosa_wire.h: constants, the header struct, the per-type tables and the
+    header check of the XDP program, all from this module."""
+    ntoh = {1: "", 2: "dosa_ntohs", 4: "dosa_ntohl"}
+    ctype_of = {">u2": "__be16", ">u4": "__be32", ">i4": "__be32"}  # s32 travels as a big-endian word
+    out = [
+        f"/* dosa wire protocol v{VERSION}: GENERATED from dosa/wire.py by `python -m dataplane.gen_headers`;",
+        " * do not edit (tests/unit/test_wire_c_header.py fails when this file and wire.py differ).",
+        " * Spec: docs/protocol.md. All fields big-endian. The check returns DOSA_C_* counters of",
+        " * dataplane/reasons.py, whose enum the loader puts before the program text. */",
+        "#ifndef DOSA_WIRE_H", "#define DOSA_WIRE_H", "", "#include <linux/types.h>", "",
+        "#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__",
+        "#define dosa_ntohs(x) ((__u16)__builtin_bswap16(x))",
+        "#define dosa_ntohl(x) ((__u32)__builtin_bswap32(x))",
+        "#define dosa_htons(x) ((__u16)__builtin_bswap16(x))",
+        "#else", "#define dosa_ntohs(x) ((__u16)(x))", "#define dosa_ntohl(x) ((__u32)(x))",
+        "#define dosa_htons(x) ((__u16)(x))", "#endif", "",
+    ]
+    consts = dict(MAGIC=f"0x{MAGIC:08X}u", VERSION=VERSION, HDR_LEN=HDR_LEN,
+                  SPARSE_ENTRY_LEN=SPARSE_ENTRY_LEN, DENSE_ENTRY_LEN=DENSE_ENTRY_LEN,
+                  RETX_ENTRY_LEN=RETX_ENTRY_LEN, STATUS_ENTRY_LEN=STATUS_ENTRY_LEN,
+                  MAX_SPARSE_ENTRIES=MAX_SPARSE_ENTRIES, MAX_DENSE_ENTRIES=MAX_DENSE_ENTRIES,
+                  MAX_RETX_ENTRIES=MAX_RETX_ENTRIES,
+                  MAX_PACKETS_PER_CONTRIBUTION=MAX_PACKETS_PER_CONTRIBUTION, MAX_WORKERS=MAX_WORKERS,
+                  MAX_PARTITIONS=MAX_PARTITIONS, DPU_SENDER_ID=f"0x{DPU_SENDER_ID:04X}",
+                  SCALE_EXP_MIN=f"({SCALE_EXP_MIN})", SCALE_EXP_MAX=SCALE_EXP_MAX)
+    out += [f"#define {_C_PREFIX}{k} {v}" for k, v in consts.items()]
+    out += ["", "enum dosa_type {"] + [f"\tDOSA_T_{t.name} = {int(t)}," for t in PacketType] + ["};", ""]
+    out += [f"#define DOSA_F_{f.name} 0x{int(f):04X}" for f in Flags if int(f)]
+    out.append(f"#define DOSA_F_VALID_MASK 0x{FLAGS_VALID_MASK:04X}")
+    out += ["", "struct dosa_hdr {"]
+    out += [f"\t{c} {n};" for n, _, c in HEADER_FIELDS]
+    out += ["} __attribute__((packed, aligned(4)));", "",
+            "struct dosa_sparse_entry {"]
+    out += [f"\t{ctype_of[SPARSE_ENTRY_DTYPE[n].str]} {n};"
+            for n in SPARSE_ENTRY_DTYPE.names]
+    out += ["} __attribute__((packed, aligned(4)));", ""]
+    for name, tab in TYPE_TABLES.items():
+        out.append(f"static __always_inline __u32 dosa_{name.lower()}(__u32 type)\n{{")
+        for t, v in tab.items():
+            if v:
+                out.append(f"\tif (type == DOSA_T_{PacketType(t).name})\n\t\treturn {v};")
+        out.append("\treturn 0;\n}\n")
+    out.append("/* What a packet says about itself (dosa/wire.py HEADER_RULES, in order): the counter of")
+    out.append(" * the first broken rule, or -1 when the header is well formed for a plen-byte payload. */")
+    out.append("static __always_inline int dosa_check_header(const struct dosa_hdr *h, __u32 plen)\n{")
+    out.append("\t__s64 f_length = plen;")
+    for n, dt, _ in HEADER_FIELDS:
+        size = np.dtype(dt).itemsize
+        cast = "(__s8)" if np.dtype(dt).kind == "i" else ""
+        out.append(f"\t__s64 f_{n} = {cast}{ntoh[size]}(h->{n});")
+    for r in HEADER_RULES:
+        out.append(f"\tif ({_c_expr(r.expr)})\n\t\treturn DOSA_C_{r.reason.upper()};")
+    out.append("\t(void)f_job_id;\n\t(void)f_round;\n\treturn -1;\n}\n")
+    out.append("#endif /* DOSA_WIRE_H */")
+    return "\n".join(out) + "\n"

@@ -9,17 +9,19 @@ import numpy as np
 
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t
 
-# Verdicts of merge_batch, one per packet. dpu_fw/userspace.py names them (VERDICTS).
-cdef enum:
-    V_ACCEPTED = 0
-    V_DUPLICATE = 1
-    V_DUP_OF_COMPLETE = 2
-    V_TOO_OLD = 3
-    V_TOO_NEW = 4
-    V_SCALE_MISMATCH = 5
-    V_TOTAL_MISMATCH = 6
-    V_BAD_INDEX = 7
-    V_UNKNOWN_WORKER = 8
+from dataplane.reasons import Counter
+
+# Verdicts of merge_batch, one per packet: the dataplane's counters (dataplane/reasons.py), the one
+# list of verdict names; read once at import into C ints.
+cdef int V_ACCEPTED = Counter.MERGED
+cdef int V_DUPLICATE = Counter.DUPLICATE
+cdef int V_DUP_OF_COMPLETE = Counter.PASS_DUP_OF_COMPLETE
+cdef int V_TOO_OLD = Counter.ROUND_TOO_OLD
+cdef int V_TOO_NEW = Counter.ROUND_TOO_NEW
+cdef int V_SCALE_MISMATCH = Counter.SCALE_MISMATCH
+cdef int V_TOTAL_MISMATCH = Counter.TOTAL_MISMATCH
+cdef int V_BAD_INDEX = Counter.INDEX_OUT_OF_PARTITION
+cdef int V_UNKNOWN_WORKER = Counter.UNKNOWN_WORKER
 
 cdef enum:
     SCALE_UNSET = 127  # outside the protocol's -32..62
@@ -44,7 +46,8 @@ def merge_batch(const uint32_t[::1] eidx, const int32_t[::1] evals, const int64_
     (the flat arrays of host_lib.packetizer.parse_batch).
 
     Returns the number of completions written to ``completions`` as (local partition, round) rows,
-    in the order they happened. ``verdict[i]`` says what happened to packet i.
+    in the order they happened. ``verdict[i]`` says what happened to packet i (a
+    dataplane.reasons.Counter value).
     """
     cdef Py_ssize_t n = lp.shape[0], i, j, e0
     cdef Py_ssize_t ncomp = 0
@@ -179,23 +182,3 @@ def clear_indices(int64_t[::1] buf, const uint32_t[::1] idx, int64_t base_index)
             k = <int64_t>idx[i] - base_index
             if 0 <= k < size:
                 buf[k] = 0
-
-
-def write_sparse_entries(uint8_t[:, ::1] data, const uint32_t[::1] idx, const int32_t[::1] val,
-                         int per_packet, int hdr_len):
-    """Write entries big-endian into packet slots: entry i goes to packet i // per_packet. The
-    vectorized numpy equivalent costs two temporaries per call; this is the result path's hot loop."""
-    cdef Py_ssize_t n = idx.shape[0], i, row, col
-    cdef uint8_t* p
-    cdef uint32_t a, v
-    if data.shape[0] * per_packet < n:
-        raise ValueError("not enough packet slots for the entries")
-    with nogil:
-        for i in range(n):
-            row = i // per_packet
-            col = i % per_packet
-            p = &data[row, hdr_len + 8 * col]
-            a = idx[i]
-            v = <uint32_t>val[i]
-            p[0] = a >> 24; p[1] = (a >> 16) & 0xff; p[2] = (a >> 8) & 0xff; p[3] = a & 0xff
-            p[4] = v >> 24; p[5] = (v >> 16) & 0xff; p[6] = (v >> 8) & 0xff; p[7] = v & 0xff

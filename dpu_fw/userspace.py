@@ -16,14 +16,16 @@ import os
 
 import numpy as np
 
+from dataplane import reasons
+from dataplane.reasons import Counter
 from dosa.wire import MAX_PACKETS_PER_CONTRIBUTION
 
 from . import _merge
 
-#: merge_batch verdict codes -> counter names (the dataplane's drop-reason names where they exist).
-VERDICTS = ("accepted", "duplicate", "dup_of_complete", "round_too_old", "round_too_new",
-            "scale_mismatch", "total_mismatch", "index_outside_partition", "unknown_worker")
-ACCEPTED, DUPLICATE, DUP_OF_COMPLETE = 0, 1, 2
+#: merge_batch verdicts are dataplane counters (dataplane/reasons.py): code -> the counter's name,
+#: the same names ``dosa ctl stats`` shows for the XDP dataplane.
+VERDICTS = {int(c): reasons.name(c) for c in Counter}
+ACCEPTED, DUPLICATE, DUP_OF_COMPLETE = Counter.MERGED, Counter.DUPLICATE, Counter.PASS_DUP_OF_COMPLETE
 SCALE_UNSET = 127
 
 

@@ -59,12 +59,9 @@ class XdpBackend:
                             f"{info.partition_size}, {info.workers} workers, {info.num_dpus} DPUs) "
                             "differs from the job config given to the worker")
         self.info = info
-        self.bias = 256  # DOSA_SCALE_TAG_BIAS (dataplane/dosa_state.h)
-        try:
-            from dataplane import layout
-            self.bias = layout.SCALE_TAG_BIAS
-        except (ImportError, AttributeError):
-            pass
+        from dataplane import layout
+
+        self.bias = layout.SCALE_TAG_BIAS
 
     def _ps(self, lp: int):
         return self.maps.pstate[self.info.pstate_off + lp]

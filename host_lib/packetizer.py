@@ -10,9 +10,9 @@ per packet would cost more than the network. So everything here works on arrays:
   entries scattered as 8-byte words into the payload area.
 * ``packetize_partition_result`` / ``packetize_results`` do the same for SPARSE_RESULT packets (what a
   DPU worker sends per completed partition), ``packetize_dense_result`` for DENSE_RESULT.
-* ``parse_batch`` validates every header at once (the same rules as :func:`dosa.wire.validate_header`,
-  which is reused to word the error of the first bad packet) and gathers all entries into flat
-  arrays with per-packet offsets.
+* ``parse_batch`` validates every header at once (:func:`dosa.wire.header_verdicts`, the one
+  validator; :func:`dosa.wire.validate_header` words the error of the first bad packet) and gathers
+  all entries into flat arrays with per-packet offsets.
 
 Buffer layout: packet ``i`` occupies ``batch.data[i, :batch.lengths[i]]`` (a 1472-byte slot): bytes
 0..31 are the header, then ``count`` big-endian 8-byte entries. Slot bytes past the length are zero.
@@ -259,6 +259,26 @@ def packetize_dense_result(sums, *, base: int, job_id: int, partition: int, roun
     return batch
 
 
+def packetize_control(ptype: int, partitions, *, job_id: int, worker_id: int, round: int,
+                      dest=-1) -> PacketBatch:
+    """Entry-less control packets (HEARTBEAT, or RETX_REQUEST with ``count = 0``: "resend all"), one
+    per partition of ``partitions``, built vectorized; ``dest`` is one value or one per packet."""
+    if ptype not in (PacketType.RETX_REQUEST, PacketType.HEARTBEAT):
+        raise ValueError(f"packetize_control builds RETX_REQUEST or HEARTBEAT, not {PacketType(ptype).name}")
+    _check_header_args(job_id=job_id, worker_id=worker_id, round=round, scale_exp=0, flags=0)
+    parts = np.asarray(partitions, np.int64).reshape(-1)
+    if len(parts) and (parts.min() < 0 or parts.max() >= wire.MAX_PARTITIONS):
+        raise ValueError(f"partitions must lie in 0..{wire.MAX_PARTITIONS - 1}")
+    batch = PacketBatch.empty(len(parts))
+    hdr = batch.data.view(HEADER_DTYPE)[:, 0]
+    hdr["magic"], hdr["version"], hdr["type"] = wire.MAGIC, wire.VERSION, ptype
+    hdr["job_id"], hdr["worker_id"], hdr["round"] = job_id, worker_id, round
+    hdr["partition"], hdr["total"] = parts, 1
+    batch.lengths[:] = wire.expected_length(ptype, 0)
+    batch.dest[:] = dest
+    return batch
+
+
 # --------------------------------------------------------------------------------------------------
 # Parsing
 # --------------------------------------------------------------------------------------------------
@@ -284,49 +304,12 @@ class ParsedPackets:
         return len(self.headers)
 
 
-_ENTRY_LEN_BY_TYPE = np.zeros(256, np.int64)
-_MAX_ENTRIES_BY_TYPE = np.zeros(256, np.int64)
-_VALID_TYPE = np.zeros(256, bool)
-for _t, _n in wire.ENTRY_LEN.items():
-    _ENTRY_LEN_BY_TYPE[_t] = _n
-    _MAX_ENTRIES_BY_TYPE[_t] = wire.MAX_ENTRIES[_t]
-    _VALID_TYPE[_t] = True
-_SEQUENCED = np.zeros(256, bool)
 _SPARSE = np.zeros(256, bool)
 _DENSE = np.zeros(256, bool)
-for _t in (PacketType.SPARSE_DATA, PacketType.DENSE_DATA, PacketType.SPARSE_RESULT, PacketType.DENSE_RESULT):
-    _SEQUENCED[_t] = True
 for _t in (PacketType.SPARSE_DATA, PacketType.SPARSE_RESULT):
     _SPARSE[_t] = True
 for _t in (PacketType.DENSE_DATA, PacketType.DENSE_RESULT):
     _DENSE[_t] = True
-
-
-def _bad_mask(hdr: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Vectorized :func:`dosa.wire.validate_header`: True where a packet breaks any rule."""
-    short = lengths < HDR_LEN
-    t = hdr["type"].astype(np.int64)
-    count = hdr["count"].astype(np.int64)
-    flags = hdr["flags"].astype(np.int64)
-    seq = hdr["seq"].astype(np.int64)
-    total = hdr["total"].astype(np.int64)
-    scale = hdr["scale_exp"].astype(np.int64)
-    seqd = _SEQUENCED[t]
-    bad = (short
-           | (hdr["magic"] != wire.MAGIC)
-           | (hdr["version"] != wire.VERSION)
-           | ~_VALID_TYPE[t]
-           | (count > _MAX_ENTRIES_BY_TYPE[t])
-           | (lengths != HDR_LEN + _ENTRY_LEN_BY_TYPE[t] * count)
-           | ((flags & ~FLAGS_VALID_MASK) != 0)
-           | (hdr["reserved"] != 0)
-           | (seqd & ((total < 1) | (total > MAX_PACKETS_PER_CONTRIBUTION) | (seq >= total)
-                      | (((flags & int(Flags.LAST)) != 0) != (seq == total - 1))
-                      | (scale < wire.SCALE_EXP_MIN) | (scale > wire.SCALE_EXP_MAX)))
-           | (_SPARSE[t] & (hdr["base"] != 0))
-           | ((hdr["worker_id"] >= wire.MAX_WORKERS) & (hdr["worker_id"] != DPU_SENDER_ID))
-           | (hdr["partition"] >= wire.MAX_PARTITIONS))
-    return bad
 
 
 def _raise_for(batch: PacketBatch, i: int) -> None:
@@ -354,7 +337,7 @@ def parse_batch(batch: PacketBatch, *, on_error: str = "raise") -> ParsedPackets
     if n and (lengths.min() < 0 or lengths.max() > STRIDE):
         raise ValueError(f"batch lengths must lie in 0..{STRIDE}")
     hdr_view = batch.data.view(HEADER_DTYPE)[:, 0] if n else np.zeros(0, HEADER_DTYPE)
-    bad = _bad_mask(hdr_view, lengths)
+    bad = ~wire.header_ok(hdr_view, lengths)
     kept = np.arange(n, dtype=np.int64)
     dropped = 0
     if bad.any():

@@ -8,15 +8,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from scapy.layers.inet import IP, TCP, UDP
 from scapy.layers.l2 import ARP, CookedLinux, Ether
 from scapy.packet import Raw
 from scapy.utils import PcapNgWriter, RawPcapWriter, wrpcap
 
 from dosa import wire
-from dosa.capture import REASONS, header_reasons, read_capture, summarize, verify
+from dosa.capture import read_capture, summarize, verify
 from dosa.cli import main as dosa_main
 from dosa.wire import DPU_SENDER_ID, Flags, Header, PacketType
 
@@ -311,7 +309,7 @@ def test_show_groups_workers_and_counts_malformed(tmp_path):
     extra = [f._udp("10.0.0.1", bytes(bad)), f._udp("10.0.0.1", short), f._udp("10.0.0.2", hb)] + NOISE
     cap = read_capture(f.write(tmp_path / "s.pcap", extra=extra))
     s = summarize(cap)
-    assert s["malformed"] == 2 and s["malformed_by_reason"] == {"BadVersion": 1, "CountMismatch": 1}
+    assert s["malformed"] == 2 and s["malformed_by_reason"] == {"bad_version": 1, "count_mismatch": 1}
     assert s["non_dosa"] == 3 and s["other_packets"] == {"HEARTBEAT": 1}
     (gr,) = s["groups"]
     assert (gr["job"], gr["round"], gr["partition"]) == (JOB, 5, 0)
@@ -361,31 +359,6 @@ def test_truncated_snaplen_and_file_are_reported(tmp_path):
         w.write_header(None)
         w.write_packet(raw[:60], wirelen=len(raw))
     assert read_capture(tmp_path / "snap.pcap").stats["truncated_by_snaplen"] == 1
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.builds(Header, type=st.integers(0, 9), count=st.integers(0, 400),
-                 flags=st.integers(0, 9), seq=st.integers(0, 300), total=st.integers(0, 300),
-                 scale_exp=st.integers(-128, 127), reserved=st.integers(0, 1),
-                 base=st.sampled_from([0, 5]), worker_id=st.sampled_from([0, 63, 64, 0xFFFE, 0xFFFF]),
-                 partition=st.sampled_from([0, 65534, 65535]), magic=st.sampled_from([wire.MAGIC, 0]),
-                 version=st.sampled_from([1, 1, 1, 2])),
-       st.integers(-2, 3))
-def test_vectorized_validation_agrees_with_wire(h, extra):
-    try:
-        length = wire.expected_length(h.type, h.count) + extra * 4
-    except (ValueError, KeyError):
-        length = wire.HDR_LEN + h.count * 8
-    length = max(length, 0)
-    buf = (h.pack() + bytes(max(length - wire.HDR_LEN, 0)))[:length]
-    try:
-        wire.parse_packet(buf)
-        want = "ok"
-    except wire.ProtocolError as e:
-        want = type(e).__name__
-    hdr = np.frombuffer(h.pack(), wire.HEADER_DTYPE)
-    got = REASONS[int(header_reasons(hdr, np.array([length]))[0])]
-    assert got == want
 
 
 def _cli(*argv, capsys):

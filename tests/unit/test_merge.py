@@ -85,11 +85,11 @@ def test_round_completes_once_with_the_exact_sum_and_ignores_duplicates():
         idx, q, b = contribution(d.pmap, w, 0)
         np.add.at(exp, idx.astype(np.int64), q)
         v, comps = d.feed(b)
-        assert set(v) == {"accepted"}
+        assert set(v) == {"merged"}
         comps_all += comps
         v, comps = d.feed(b)  # the same packets again
         comps_all += comps
-        assert set(v) == ({"dup_of_complete"} if w == 2 else {"duplicate"})
+        assert set(v) == ({"pass_dup_of_complete"} if w == 2 else {"duplicate"})
     assert sorted(comps_all) == [(0, 0), (1, 0), (2, 0)]
     for p in range(3):
         assert np.array_equal(d.st.buffer(p, 0), exp[p * 1000:(p + 1) * 1000])
@@ -120,7 +120,7 @@ def test_round_window_and_advance_clear_the_old_parity():
     v, _ = d.feed(contribution(d.pmap, 1, 0)[2])
     assert set(v) == {"round_too_old"}
     v, _ = d.feed(contribution(d.pmap, 1, 2)[2])  # parity 0 again, now cleared and accepted
-    assert set(v) == {"accepted"}
+    assert set(v) == {"merged"}
 
 
 def test_scale_total_and_index_violations_are_rejected():
@@ -140,7 +140,7 @@ def test_scale_total_and_index_violations_are_rejected():
     first = b.select(np.array([0]))
     first.data[0, 32:36] = np.frombuffer(np.array([1500], ">u4").tobytes(), np.uint8)
     v, _ = d2.feed(first)
-    assert v == ["index_outside_partition"]
+    assert v == ["index_out_of_partition"]
     assert not d2.st.buffer(0, 0).any()
 
 
@@ -152,4 +152,4 @@ def test_state_in_files_survives_a_restart(tmp_path):
     d = Dpu(state_dir=str(tmp_path))
     assert d.st.resumed
     v, comps = d.feed(contribution(d.pmap, 2, 0)[2])
-    assert set(v) == {"accepted"} and len(comps) == 3
+    assert set(v) == {"merged"} and len(comps) == 3

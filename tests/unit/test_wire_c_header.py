@@ -1,7 +1,10 @@
-"""dataplane/dosa_wire.h must mirror dosa/wire.py exactly: every struct dosa_hdr field at the same
-offset with the same size, signedness and declared C type, every #define and enum value equal to its
-Python counterpart, and nothing in either that the other lacks. The C side is measured by compiling
-a program against the header (so the preprocessor and compiler, not a regex, say what it means)."""
+"""dataplane/dosa_wire.h is generated from dosa/wire.py (``python -m dataplane.gen_headers``): the
+checked-in file must be exactly what the generator writes, and what it means must mirror wire.py:
+every struct dosa_hdr field at the same offset with the same size, signedness and declared C type,
+every #define and enum value equal to its Python counterpart, and the generated C header check
+giving the same verdict as wire.header_verdicts on many random headers. The C side is measured by
+compiling programs against the header (so the preprocessor and compiler, not a regex, say what it
+means)."""
 from __future__ import annotations
 
 import re
@@ -9,8 +12,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from dataplane import gen_headers, reasons
 from dosa import wire
 
 pytestmark = pytest.mark.timeout(60)
@@ -45,7 +50,7 @@ def c_layout(tmp_path_factory):
     cc = shutil.which("gcc") or shutil.which("cc")
     assert cc, "gcc is required to check dataplane/dosa_wire.h (apt-get install gcc)"
     defines, enums, _ = _c_names()
-    lines = ["#include <stdio.h>", "#include <stddef.h>", f'#include "{HEADER}"',
+    lines = ["#include <stdio.h>", "#include <stddef.h>", reasons.c_enum(), f'#include "{HEADER}"',
              "#define F(s, f) ((struct s *)0)->f",
              "#define SIGNED(s, f) ((__typeof__(F(s, f)))-1 < 0)"]
     # Declared C types from HEADER_FIELDS: a compile error if the header declares another type.
@@ -118,3 +123,67 @@ def test_header_field_list_is_complete():
     body = re.search(r"struct dosa_hdr\s*{(.*?)}", HEADER.read_text(), re.S).group(1)
     c_fields = re.findall(r"(\w+)\s*;", body)
     assert c_fields == [n for n, _, _ in wire.HEADER_FIELDS]
+
+
+def test_checked_in_header_is_the_generated_one():
+    assert HEADER.read_text() == wire.c_header(), "run: python -m dataplane.gen_headers"
+    assert gen_headers.main(["--check"]) == 0
+
+
+def test_every_rule_reason_is_a_dataplane_counter():
+    names = {reasons.name(c) for c in reasons.Counter}
+    assert {r.reason for r in wire.HEADER_RULES} <= names
+
+
+def _random_headers(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mostly valid headers with one or two fields pushed to interesting values, and lengths that
+    are mostly right: every rule is broken by some rows, many rows by none."""
+    rng = np.random.default_rng(seed)
+    h = np.zeros(n, wire.HEADER_DTYPE)
+    h["magic"], h["version"], h["job_id"] = wire.MAGIC, wire.VERSION, rng.integers(1, 2**32, n)
+    h["type"] = rng.integers(1, len(wire.PacketType) + 1, n)
+    h["total"] = rng.integers(1, 5, n)
+    h["seq"] = rng.integers(0, 5, n) % h["total"]
+    h["flags"] = (h["seq"] == h["total"] - 1) * int(wire.Flags.LAST)
+    h["count"] = rng.integers(0, 4, n)
+    h["worker_id"] = rng.integers(0, wire.MAX_WORKERS, n)
+    h["scale_exp"] = rng.integers(wire.SCALE_EXP_MIN, wire.SCALE_EXP_MAX + 1, n)
+    length = np.array([wire.expected_length(int(t), int(c)) for t, c in zip(h["type"], h["count"])])
+    for name, dt, _ in wire.HEADER_FIELDS:  # break fields at random: full range of the type
+        hit = rng.random(n) < 0.06
+        info = np.iinfo(np.dtype(dt))
+        h[name][hit] = rng.integers(info.min, int(info.max) + 1, int(hit.sum()))
+        edge = rng.random(n) < 0.03
+        h[name][edge] = rng.choice([info.min, info.max, 0, 1, 255], int(edge.sum()))
+    off = rng.random(n) < 0.08
+    length[off] += rng.integers(-40, 40, int(off.sum()))
+    return h, np.maximum(length, 0)
+
+
+def test_generated_c_check_agrees_with_python_on_random_headers(tmp_path):
+    """The same header bytes through dosa_check_header (gcc) and wire.header_verdicts: one verdict."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc, "gcc is required to check dataplane/dosa_wire.h (apt-get install gcc)"
+    src, exe = tmp_path / "check.c", tmp_path / "check"
+    src.write_text("\n".join([
+        "#include <stdio.h>", "#include <stdint.h>", reasons.c_enum(), f'#include "{HEADER}"',
+        "int main(void) { unsigned char b[32]; unsigned int len;",
+        "  while (fread(b, 1, 32, stdin) == 32 && fread(&len, 4, 1, stdin) == 1)",
+        "    printf(\"%d\\n\", dosa_check_header((const struct dosa_hdr *)b, len));",
+        "  return 0; }"]) + "\n")
+    r = subprocess.run([cc, "-std=gnu11", "-O1", "-Wall", "-Werror", "-o", str(exe), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    h, length = _random_headers(20000, seed=12)
+    rec = np.zeros(len(h), [("h", wire.HEADER_DTYPE), ("len", "<u4")])
+    rec["h"], rec["len"] = h, length
+    out = subprocess.run([str(exe)], input=rec.tobytes(), capture_output=True, check=True).stdout
+    c_counter = np.array(out.split(), np.int64)
+    code = wire.header_verdicts(h, length)
+    py_counter = np.array([-1 if c == 0 else int(reasons.Counter[wire.RULE_REASONS[c].upper()])
+                           for c in code])
+    assert len(c_counter) == len(h)
+    assert (code == 0).sum() > 1000 and len(set(code.tolist())) == len(wire.HEADER_RULES) + 1, \
+        "the random headers must hit every rule and many valid rows"
+    bad = np.flatnonzero(c_counter != py_counter)
+    assert not len(bad), f"C and Python disagree on {len(bad)} headers, first {h[bad[0]]}, len {length[bad[0]]}"

@@ -1,0 +1,38 @@
+"""Write (or, with ``--check``, compare) the C headers generated from their Python definitions:
+``dataplane/dosa_wire.h`` from ``dosa/wire.py`` (constants, header struct, the header check).
+
+Run ``python -m dataplane.gen_headers`` after changing wire.py; tests/unit/test_wire_c_header.py
+fails while the checked-in file differs from what this writes. (The counter enum of reasons.py is
+not a file: the loader puts it before the program text.)
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from dosa import wire
+
+HERE = Path(__file__).resolve().parent
+GENERATED = {HERE / "dosa_wire.h": wire.c_header}
+
+
+def main(argv: list[str] | None = None) -> int:
+    check = "--check" in (argv if argv is not None else sys.argv[1:])
+    stale = []
+    for path, render in GENERATED.items():
+        text = render()
+        if path.exists() and path.read_text() == text:
+            continue
+        if check:
+            stale.append(path.name)
+        else:
+            path.write_text(text)
+            print(f"wrote {path}")
+    if stale:
+        print(f"out of date: {', '.join(stale)} (run python -m dataplane.gen_headers)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
