@@ -1,10 +1,20 @@
 # cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""Batched UDP send/receive over a PacketBatch buffer (sendmmsg/recvmmsg), one iovec per packet.
+"""Batched UDP send/receive over a PacketBatch buffer: UDP GSO and GRO on top of sendmmsg/recvmmsg.
 
-One system call moves up to 1024 packets (the kernel's UIO_MAXIOV bound on vlen); the GIL is
-released for the whole call, including the waits in poll(). The socket must be non-blocking: a full
-send buffer (EAGAIN/ENOBUFS) waits in poll(POLLOUT) until ``timeout`` runs out.
-Public wrapper: ``host_lib/transport.py`` (UdpEndpoint).
+Send (:func:`send_batch`): consecutive rows to the same destination with equal lengths (the last of
+a run may be shorter) become one GSO datagram (a ``UDP_SEGMENT`` control message, one iovec per
+packet slot, at most ``gso_segs`` segments and 65,507 bytes); the kernel cuts it into the original
+packets below the socket (on a real NIC: in the NIC), so the wire sees exactly the packets of the
+batch. Up to 1024 such datagrams go in one sendmmsg. ``gso_segs=0`` sends one datagram per packet.
+
+Receive: :class:`GroReceiver` reads a socket with ``UDP_GRO`` on: one datagram may carry many
+equal-size segments (the size comes in a SOL_UDP/UDP_GRO control message); they are split back into
+one packet slot each, and what does not fit the caller's slots is kept for the next call.
+:func:`recv_batch` is the plain recvmmsg path (one datagram per slot) for sockets without GRO.
+
+The GIL is released for the whole call, including the waits in poll(). The socket must be
+non-blocking: a full send buffer (EAGAIN/ENOBUFS) waits in poll(POLLOUT) until ``timeout`` runs out.
+Public wrapper: ``host_lib/transport.py`` (UdpEndpoint), which probes GSO/GRO once and falls back.
 """
 from libc.errno cimport errno, EAGAIN, EINTR
 
@@ -13,7 +23,7 @@ cdef extern from "<errno.h>":
     int ENOBUFS
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t
 from libc.stdlib cimport calloc, free
-from libc.string cimport memset
+from libc.string cimport memset, memcpy
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
 cdef extern from "<sys/uio.h>":
@@ -41,6 +51,15 @@ cdef extern from "<sys/socket.h>":
     struct mmsghdr:
         msghdr msg_hdr
         unsigned int msg_len
+    struct cmsghdr:
+        size_t cmsg_len
+        int cmsg_level
+        int cmsg_type
+    cmsghdr* CMSG_FIRSTHDR(msghdr* m) nogil
+    cmsghdr* CMSG_NXTHDR(msghdr* m, cmsghdr* c) nogil
+    unsigned char* CMSG_DATA(cmsghdr* c) nogil
+    size_t CMSG_SPACE(size_t n) nogil
+    size_t CMSG_LEN(size_t n) nogil
     int sendmmsg(int sockfd, mmsghdr* msgvec, unsigned int vlen, int flags) nogil
     int recvmmsg(int sockfd, mmsghdr* msgvec, unsigned int vlen, int flags, timespec* timeout) nogil
     int AF_INET
@@ -57,7 +76,21 @@ cdef extern from "<poll.h>":
     short POLLOUT
 
 cdef enum:
-    VLEN = 1024
+    VLEN = 1024          # datagrams per sendmmsg/recvmmsg (the kernel's UIO_MAXIOV bound on vlen)
+    IOV_CAP = 8192       # iovecs (packets) per sendmmsg: VLEN GSO datagrams of up to 8 segments,
+                         # or fewer, longer ones
+    SOL_UDP_ = 17
+    UDP_SEGMENT_ = 103
+    UDP_GRO_ = 104
+    MAX_GSO_BYTES = 65507  # largest UDP payload of one IPv4 datagram
+    CTRL_SPACE = 32      # >= CMSG_SPACE(sizeof(int)), 8-aligned
+    GRO_BUF = 65536      # one received datagram (GRO never builds more than 64 KB)
+
+#: What the kernel accepts per GSO datagram (UDP_MAX_SEGMENTS is 64 on older kernels, 128 since 6.x).
+MAX_GSO_SEGMENTS = 64
+SOL_UDP = SOL_UDP_
+UDP_SEGMENT = UDP_SEGMENT_
+UDP_GRO = UDP_GRO_
 
 
 cdef double now() noexcept nogil:
@@ -86,17 +119,31 @@ cdef int wait_fd(int fd, short events, double deadline) noexcept nogil:
             return -1
 
 
+def _os_error(int err, str what, Py_ssize_t sent):
+    import os
+    e = OSError(err, f"{what} failed: {os.strerror(err)}")
+    e.sent = sent  # packets sent before the error: the caller may resend the rest another way
+    return e
+
+
 def send_batch(int fd, const uint8_t[:, ::1] data, const int64_t[::1] lengths,
                const int64_t[::1] rows, const uint32_t[::1] ip_be, const uint16_t[::1] port_be,
-               double timeout=1.0):
+               double timeout=1.0, int gso_segs=0, int64_t[::1] counters=None):
     """Send packet ``data[rows[k], :lengths[rows[k]]]`` to (ip_be[k], port_be[k]) for every k,
-    both in network byte order. Returns the number sent: fewer than ``len(rows)`` only when the
-    socket stayed full for ``timeout`` seconds. Raises OSError for any other send error."""
-    cdef Py_ssize_t n = rows.shape[0], done = 0, k, m, row
-    cdef int rc, err = 0, w
+    both in network byte order, ``gso_segs > 1``: runs of up to that many packets as one GSO
+    datagram each (module docstring). Returns the number of packets sent: fewer than ``len(rows)``
+    only when the socket stayed full for ``timeout`` seconds. Raises OSError (with ``.sent``, the
+    packets already sent) for any other send error. ``counters`` (int64[2]), if given, gets
+    += (system calls, datagrams handed to the kernel)."""
+    cdef Py_ssize_t n = rows.shape[0], done = 0, k, m, row, nb, ni, j, seg, tot, first
+    cdef int rc, err = 0, w, maxseg = gso_segs if gso_segs > 1 else 1
+    cdef int64_t calls = 0, dgrams = 0
     cdef double deadline
+    cdef cmsghdr* cm
     if ip_be.shape[0] != n or port_be.shape[0] != n:
         raise ValueError("one destination per packet is needed")
+    if counters is not None and counters.shape[0] < 2:
+        raise ValueError("counters needs two slots (system calls, datagrams)")
     for k in range(n):
         row = rows[k]
         if row < 0 or row >= data.shape[0] or lengths[row] < 0 or lengths[row] > data.shape[1]:
@@ -104,33 +151,69 @@ def send_batch(int fd, const uint8_t[:, ::1] data, const int64_t[::1] lengths,
     if n == 0:
         return 0
     cdef mmsghdr* msgs = <mmsghdr*>calloc(VLEN, sizeof(mmsghdr))
-    cdef iovec* iov = <iovec*>calloc(VLEN, sizeof(iovec))
+    cdef iovec* iov = <iovec*>calloc(IOV_CAP, sizeof(iovec))
     cdef sockaddr_in* addrs = <sockaddr_in*>calloc(VLEN, sizeof(sockaddr_in))
-    if msgs == NULL or iov == NULL or addrs == NULL:
-        free(msgs); free(iov); free(addrs)
+    cdef uint8_t* ctrl = <uint8_t*>calloc(VLEN, CTRL_SPACE)
+    cdef Py_ssize_t* npk = <Py_ssize_t*>calloc(VLEN, sizeof(Py_ssize_t))
+    if msgs == NULL or iov == NULL or addrs == NULL or ctrl == NULL or npk == NULL:
+        free(msgs); free(iov); free(addrs); free(ctrl); free(npk)
         raise MemoryError()
     try:
         with nogil:
             deadline = now() + timeout
             while done < n:
-                m = n - done
-                if m > VLEN:
-                    m = VLEN
-                for k in range(m):
-                    row = rows[done + k]
-                    iov[k].iov_base = <void*>&data[row, 0]
-                    iov[k].iov_len = <size_t>lengths[row]
-                    addrs[k].sin_family = AF_INET
-                    addrs[k].sin_port = port_be[done + k]
-                    addrs[k].sin_addr.s_addr = ip_be[done + k]
-                    memset(&msgs[k], 0, sizeof(mmsghdr))
-                    msgs[k].msg_hdr.msg_name = <void*>&addrs[k]
-                    msgs[k].msg_hdr.msg_namelen = sizeof(sockaddr_in)
-                    msgs[k].msg_hdr.msg_iov = &iov[k]
-                    msgs[k].msg_hdr.msg_iovlen = 1
-                rc = sendmmsg(fd, msgs, <unsigned int>m, MSG_DONTWAIT)
+                # cut rows[done:] into datagrams: a run of equal lengths to one destination, the
+                # last of the run possibly shorter, within the segment and byte limits
+                nb = 0
+                ni = 0
+                k = done
+                while k < n and nb < VLEN and ni < IOV_CAP:
+                    first = k
+                    seg = lengths[rows[k]]
+                    tot = seg
+                    iov[ni].iov_base = <void*>&data[rows[k], 0]
+                    iov[ni].iov_len = <size_t>seg
+                    j = 1
+                    k += 1
+                    if maxseg > 1 and seg > 0:
+                        while k < n and j < maxseg and ni + j < IOV_CAP and \
+                                ip_be[k] == ip_be[first] and port_be[k] == port_be[first] and \
+                                lengths[rows[k]] <= seg and lengths[rows[k]] > 0 and \
+                                tot + lengths[rows[k]] <= MAX_GSO_BYTES:
+                            iov[ni + j].iov_base = <void*>&data[rows[k], 0]
+                            iov[ni + j].iov_len = <size_t>lengths[rows[k]]
+                            tot += lengths[rows[k]]
+                            j += 1
+                            k += 1
+                            if lengths[rows[k - 1]] < seg:
+                                break  # the short one ends the run
+                    memset(&msgs[nb], 0, sizeof(mmsghdr))
+                    addrs[nb].sin_family = AF_INET
+                    addrs[nb].sin_port = port_be[first]
+                    addrs[nb].sin_addr.s_addr = ip_be[first]
+                    msgs[nb].msg_hdr.msg_name = <void*>&addrs[nb]
+                    msgs[nb].msg_hdr.msg_namelen = sizeof(sockaddr_in)
+                    msgs[nb].msg_hdr.msg_iov = &iov[ni]
+                    msgs[nb].msg_hdr.msg_iovlen = <size_t>j
+                    if j > 1:
+                        memset(&ctrl[nb * CTRL_SPACE], 0, CTRL_SPACE)
+                        msgs[nb].msg_hdr.msg_control = <void*>&ctrl[nb * CTRL_SPACE]
+                        msgs[nb].msg_hdr.msg_controllen = CMSG_SPACE(sizeof(uint16_t))
+                        cm = CMSG_FIRSTHDR(&msgs[nb].msg_hdr)
+                        cm.cmsg_level = SOL_UDP_
+                        cm.cmsg_type = UDP_SEGMENT_
+                        cm.cmsg_len = CMSG_LEN(sizeof(uint16_t))
+                        (<uint16_t*>CMSG_DATA(cm))[0] = <uint16_t>seg
+                    npk[nb] = j
+                    ni += j
+                    nb += 1
+                # send them; a partial sendmmsg is rebuilt from the first datagram not sent
+                rc = sendmmsg(fd, msgs, <unsigned int>nb, MSG_DONTWAIT)
+                calls += 1
                 if rc > 0:
-                    done += rc
+                    dgrams += rc
+                    for m in range(rc):
+                        done += npk[m]
                     continue
                 if rc < 0 and errno == EINTR:
                     continue
@@ -144,23 +227,171 @@ def send_batch(int fd, const uint8_t[:, ::1] data, const int64_t[::1] lengths,
                     err = errno
                     break
     finally:
-        free(msgs); free(iov); free(addrs)
+        free(msgs); free(iov); free(addrs); free(ctrl); free(npk)
+        if counters is not None:
+            counters[0] += calls
+            counters[1] += dgrams
     if err:
-        import os
-        raise OSError(err, f"sendmmsg failed: {os.strerror(err)}")
+        raise _os_error(err, "sendmmsg", done)
     return done
 
 
+cdef class GroReceiver:
+    """Receives from sockets with UDP_GRO on into packet slots, one segment per slot.
+
+    One recvmmsg reads up to ``nmsg`` datagrams of up to 64 KB into this object's buffers; each is
+    split into its segments (size from the UDP_GRO control message; a datagram without one is a
+    single packet). Segments that do not fit the caller's slots stay here and come first in the next
+    ``recv`` (from whichever socket), so nothing received is lost. ``calls`` and ``datagrams`` count
+    the recvmmsg calls that returned data and the datagrams they returned."""
+
+    cdef int nmsg, have, cur
+    cdef Py_ssize_t off
+    cdef uint8_t* buf
+    cdef uint8_t* ctrl
+    cdef mmsghdr* msgs
+    cdef iovec* iov
+    cdef sockaddr_in* addrs
+    cdef int* seg
+    cdef public int64_t calls, datagrams
+
+    def __cinit__(self, int nmsg=64):
+        if nmsg < 1 or nmsg > VLEN:
+            raise ValueError(f"nmsg must lie in 1..{VLEN}")
+        self.nmsg = nmsg
+        self.buf = <uint8_t*>calloc(nmsg, GRO_BUF)
+        self.ctrl = <uint8_t*>calloc(nmsg, CTRL_SPACE)
+        self.msgs = <mmsghdr*>calloc(nmsg, sizeof(mmsghdr))
+        self.iov = <iovec*>calloc(nmsg, sizeof(iovec))
+        self.addrs = <sockaddr_in*>calloc(nmsg, sizeof(sockaddr_in))
+        self.seg = <int*>calloc(nmsg, sizeof(int))
+        if not (self.buf and self.ctrl and self.msgs and self.iov and self.addrs and self.seg):
+            raise MemoryError()
+        self.have = self.cur = 0
+        self.off = 0
+        self.calls = self.datagrams = 0
+
+    def __dealloc__(self):
+        free(self.buf); free(self.ctrl); free(self.msgs); free(self.iov); free(self.addrs)
+        free(self.seg)
+
+    @property
+    def pending(self) -> bool:
+        """Received segments not yet handed out."""
+        return self.cur < self.have
+
+    cdef Py_ssize_t _drain(self, uint8_t[:, ::1] data, int64_t[::1] lengths, uint32_t[::1] src_ip_be,
+                           uint16_t[::1] src_port_be, Py_ssize_t out, Py_ssize_t cap) noexcept nogil:
+        cdef Py_ssize_t dlen, l, slot = data.shape[1]
+        cdef int s
+        cdef uint8_t* p
+        while self.cur < self.have and out < cap:
+            dlen = self.msgs[self.cur].msg_len
+            p = self.buf + <Py_ssize_t>self.cur * GRO_BUF
+            if (self.msgs[self.cur].msg_hdr.msg_flags & MSG_TRUNC) or dlen == 0:
+                lengths[out] = -1 if dlen else 0
+                src_ip_be[out] = self.addrs[self.cur].sin_addr.s_addr
+                src_port_be[out] = self.addrs[self.cur].sin_port
+                out += 1
+                self.cur += 1
+                self.off = 0
+                continue
+            s = self.seg[self.cur]
+            if s <= 0:
+                s = <int>dlen
+            while self.off < dlen and out < cap:
+                l = dlen - self.off
+                if l > s:
+                    l = s
+                if l > slot:
+                    lengths[out] = -1  # a segment larger than a slot: truncated, dropped by the caller
+                else:
+                    memcpy(&data[out, 0], p + self.off, l)
+                    lengths[out] = l
+                src_ip_be[out] = self.addrs[self.cur].sin_addr.s_addr
+                src_port_be[out] = self.addrs[self.cur].sin_port
+                self.off += l
+                out += 1
+            if self.off >= dlen:
+                self.cur += 1
+                self.off = 0
+        return out
+
+    def recv(self, int fd, uint8_t[:, ::1] data, int64_t[::1] lengths, uint32_t[::1] src_ip_be,
+             uint16_t[::1] src_port_be, double timeout):
+        """Fill up to ``len(lengths)`` slots: first what is pending, then one recvmmsg from ``fd``
+        (waiting up to ``timeout`` s only if nothing was pending). Returns the slots filled; a
+        segment longer than a slot (or a datagram cut by the buffer) gets length -1."""
+        cdef Py_ssize_t cap = lengths.shape[0], out = 0, k
+        cdef int rc = 0, err = 0, w
+        cdef double deadline
+        cdef cmsghdr* cm
+        if data.shape[0] < cap or src_ip_be.shape[0] < cap or src_port_be.shape[0] < cap:
+            raise ValueError("every output array needs a slot per packet")
+        if cap == 0:
+            return 0
+        with nogil:
+            out = self._drain(data, lengths, src_ip_be, src_port_be, 0, cap)
+            if out < cap and self.cur >= self.have:
+                for k in range(self.nmsg):
+                    self.iov[k].iov_base = <void*>(self.buf + k * GRO_BUF)
+                    self.iov[k].iov_len = GRO_BUF
+                    memset(&self.msgs[k], 0, sizeof(mmsghdr))
+                    self.msgs[k].msg_hdr.msg_name = <void*>&self.addrs[k]
+                    self.msgs[k].msg_hdr.msg_namelen = sizeof(sockaddr_in)
+                    self.msgs[k].msg_hdr.msg_iov = &self.iov[k]
+                    self.msgs[k].msg_hdr.msg_iovlen = 1
+                    self.msgs[k].msg_hdr.msg_control = <void*>(self.ctrl + k * CTRL_SPACE)
+                    self.msgs[k].msg_hdr.msg_controllen = CTRL_SPACE
+                deadline = now() + (timeout if out == 0 else 0.0)
+                while True:
+                    rc = recvmmsg(fd, self.msgs, <unsigned int>self.nmsg, MSG_DONTWAIT, NULL)
+                    if rc >= 0:
+                        break
+                    if errno == EINTR:
+                        continue
+                    if errno != EAGAIN and errno != EWOULDBLOCK:
+                        err = errno
+                        break
+                    w = wait_fd(fd, POLLIN, deadline)
+                    if w == 0:
+                        rc = 0
+                        break
+                    if w < 0:
+                        err = errno
+                        break
+                if err == 0 and rc > 0:
+                    self.calls += 1
+                    self.datagrams += rc
+                    for k in range(rc):
+                        self.seg[k] = 0
+                        cm = CMSG_FIRSTHDR(&self.msgs[k].msg_hdr)
+                        while cm != NULL:
+                            if cm.cmsg_level == SOL_UDP_ and cm.cmsg_type == UDP_GRO_:
+                                self.seg[k] = (<int*>CMSG_DATA(cm))[0]
+                            cm = CMSG_NXTHDR(&self.msgs[k].msg_hdr, cm)
+                    self.have = rc
+                    self.cur = 0
+                    self.off = 0
+                    out = self._drain(data, lengths, src_ip_be, src_port_be, out, cap)
+        if err:
+            raise _os_error(err, "recvmmsg", 0)
+        return out
+
+
 def recv_batch(int fd, uint8_t[:, ::1] data, int64_t[::1] lengths, uint32_t[::1] src_ip_be,
-               uint16_t[::1] src_port_be, double timeout):
+               uint16_t[::1] src_port_be, double timeout, int64_t[::1] counters=None):
     """Receive up to ``len(lengths)`` packets into the slots of ``data``, waiting at most ``timeout``
     seconds for the first one (0 = don't wait). Returns the number received. A datagram larger than
-    a slot gets length -1 (truncated; the caller drops it as malformed)."""
+    a slot gets length -1 (truncated; the caller drops it as malformed). For sockets without
+    UDP_GRO (see GroReceiver). ``counters`` (int64[2]) gets += (calls that returned data, datagrams)."""
     cdef Py_ssize_t cap = lengths.shape[0], k
     cdef int rc, err = 0, w
     cdef double deadline
     if data.shape[0] < cap or src_ip_be.shape[0] < cap or src_port_be.shape[0] < cap:
         raise ValueError("every output array needs a slot per packet")
+    if counters is not None and counters.shape[0] < 2:
+        raise ValueError("counters needs two slots (calls, datagrams)")
     if cap > VLEN:
         cap = VLEN
     if cap == 0:
@@ -208,11 +439,12 @@ def recv_batch(int fd, uint8_t[:, ::1] data, int64_t[::1] lengths, uint32_t[::1]
                     src_port_be[k] = addrs[k].sin_port
     finally:
         free(msgs); free(iov); free(addrs)
+        if counters is not None and rc > 0:
+            counters[0] += 1
+            counters[1] += rc
     if err:
-        import os
-        raise OSError(err, f"recvmmsg failed: {os.strerror(err)}")
+        raise _os_error(err, "recvmmsg", 0)
     return rc
-
 
 def decode_sparse_entries(const uint8_t[:, ::1] data, const int64_t[::1] rows,
                           const int64_t[::1] count, Py_ssize_t first_byte,

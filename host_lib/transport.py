@@ -1,13 +1,23 @@
 """UDP transport shared by hosts and DPU workers: one non-blocking socket, batched sends and receives
-of whole PacketBatches (Cython sendmmsg/recvmmsg in ``host_lib/_net.pyx``), and the job description
-both ends need (:class:`JobConfig`: who the hosts and DPUs are, how the index space is cut).
+of whole PacketBatches (Cython in ``host_lib/_net.pyx``: UDP GSO over sendmmsg, UDP GRO over
+recvmmsg), and the job description both ends need (:class:`JobConfig`: who the hosts and DPUs are,
+how the index space is cut).
+
+Why GSO/GRO: the host's per-datagram kernel work, not the link, bounded a round (docs/performance.md).
+With GSO one ``sendmmsg`` entry carries a run of equal-size packets to one destination (a partition's
+packets, the short one last) and the kernel cuts it below the socket; with GRO one receive returns
+many segments. Support is probed once per process (``batching()``); where the kernel or the path
+refuses, the endpoint falls back to one datagram per packet with one log line. ``DOSA_GSO=0`` /
+``DOSA_GRO=0`` turn either off (A/B runs).
 
 Addresses are kept as arrays (IPv4 and port in network order, one row per host or DPU) so a batch's
 ``dest`` column maps to destinations with one numpy gather, never a Python loop per packet.
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import select
 import socket
@@ -21,6 +31,8 @@ from dosa.errors import DosaError
 from dosa.wire import PacketBatch, PartitionMap
 
 from . import _net
+
+log = logging.getLogger("dosa.net")
 
 #: Socket buffers asked for (SO_*BUFFORCE as root, else capped by net.core.*mem_max). A round of a
 #: 25M gradient at 1% is ~1800 packets a host; results fan out 4x that from a DPU.
@@ -154,14 +166,50 @@ def multicast_group(job: "JobConfig") -> tuple[str, int] | None:
     return f"{MULTICAST_PREFIX[0]}.{MULTICAST_PREFIX[1]}.{(j >> 8) & 255}.{j & 255}", ports.pop()
 
 
+def _env_off(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() in ("0", "no", "off", "false")
+
+
+_BATCHING: dict[str, bool] | None = None
+
+
+def batching() -> dict[str, bool]:
+    """Whether this kernel takes UDP GSO (UDP_SEGMENT) and UDP GRO sockets, probed once per process
+    (a socket option on an unbound socket: no packet is sent) and cut by DOSA_GSO=0 / DOSA_GRO=0.
+    Logs one line for what is missing. A path that refuses GSO at send time (a device without
+    checksum offload, an MTU below the segment size) is caught per endpoint (UdpEndpoint.send)."""
+    global _BATCHING
+    if _BATCHING is None:
+        got = {}
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for name, opt, val in (("gso", _net.UDP_SEGMENT, 1400), ("gro", _net.UDP_GRO, 1)):
+                try:
+                    s.setsockopt(_net.SOL_UDP, opt, val)
+                    got[name] = True
+                except OSError as e:
+                    got[name] = False
+                    log.info("UDP %s unavailable (%s): one datagram per packet (sendmmsg/recvmmsg)",
+                             name.upper(), e.strerror or e)
+        _BATCHING = got
+    return {"gso": _BATCHING["gso"] and not _env_off("DOSA_GSO"),
+            "gro": _BATCHING["gro"] and not _env_off("DOSA_GRO")}
+
+
+#: errnos with which a path refuses a GSO datagram (not a full buffer): fall back for good
+_GSO_REFUSED = {errno.EIO, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOPROTOOPT, errno.EMSGSIZE}
+
+
 class UdpEndpoint:
     """A bound, non-blocking UDP socket that sends and receives PacketBatches in batches.
 
     ``recv`` reuses one receive buffer: the returned batch is valid until the next ``recv``.
+    ``gso``/``gro`` (default: what ``batching()`` found) choose the batching; ``send_calls`` /
+    ``send_datagrams`` and ``recv_calls`` / ``recv_datagrams`` count system calls and datagrams
+    (packets are ``sent_packets`` / ``recv_packets``): with GSO/GRO far fewer than packets.
     """
 
     def __init__(self, bind: tuple[str, int], *, bufsize: int = DEFAULT_SOCKET_BUFFER,
-                 recv_slots: int = 1024):
+                 recv_slots: int = 1024, gso: bool | None = None, gro: bool | None = None):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -178,6 +226,38 @@ class UdpEndpoint:
         self.sent_packets = self.sent_bytes = self.recv_packets = self.recv_bytes = 0
         self.truncated = 0
         self.msock = None
+        can = batching()
+        self.gso_segs = _net.MAX_GSO_SEGMENTS if (can["gso"] if gso is None else gso) else 0
+        self._gro = None
+        if can["gro"] if gro is None else gro:
+            try:
+                self.sock.setsockopt(_net.SOL_UDP, _net.UDP_GRO, 1)
+                self._gro = _net.GroReceiver()
+            except OSError as e:
+                log.info("UDP GRO refused on %s:%d (%s): one datagram per recvmmsg slot",
+                         *bind, e.strerror or e)
+        self._send_ctr = np.zeros(2, np.int64)
+        self._recv_ctr = np.zeros(2, np.int64)
+
+    @property
+    def send_calls(self) -> int:
+        return int(self._send_ctr[0])
+
+    @property
+    def send_datagrams(self) -> int:
+        return int(self._send_ctr[1])
+
+    @property
+    def recv_calls(self) -> int:
+        return int(self._recv_ctr[0]) + (self._gro.calls if self._gro is not None else 0)
+
+    @property
+    def recv_datagrams(self) -> int:
+        return int(self._recv_ctr[1]) + (self._gro.datagrams if self._gro is not None else 0)
+
+    @property
+    def gro(self) -> bool:
+        return self._gro is not None
 
     def _set_buffers(self, size: int) -> None:
         for force, plain in ((32, socket.SO_SNDBUF), (33, socket.SO_RCVBUF)):  # SO_*BUFFORCE
@@ -194,9 +274,20 @@ class UdpEndpoint:
         """Send ``batch`` packets ``rows[k]`` to (ip_be[k], port_be[k]). Raises DosaError when the
         socket stays full for ``timeout`` s (the peer side is not draining)."""
         rows = np.ascontiguousarray(rows, np.int64)
-        n = _net.send_batch(self.fd, batch.data, batch.lengths, rows,
-                            np.ascontiguousarray(ip_be, np.uint32),
-                            np.ascontiguousarray(port_be, np.uint16), timeout)
+        ip_be = np.ascontiguousarray(ip_be, np.uint32)
+        port_be = np.ascontiguousarray(port_be, np.uint16)
+        try:
+            n = _net.send_batch(self.fd, batch.data, batch.lengths, rows, ip_be, port_be, timeout,
+                                self.gso_segs, self._send_ctr)
+        except OSError as e:
+            if not self.gso_segs or e.errno not in _GSO_REFUSED:
+                raise
+            log.warning("UDP GSO refused on this path (%s): one datagram per packet from now on",
+                        e.strerror or e)
+            self.gso_segs = 0
+            k = e.sent
+            n = k + _net.send_batch(self.fd, batch.data, batch.lengths, rows[k:], ip_be[k:],
+                                    port_be[k:], timeout, 0, self._send_ctr)
         self.sent_packets += n
         self.sent_bytes += int(batch.lengths[rows[:n]].sum())
         if n < len(rows):
@@ -222,6 +313,8 @@ class UdpEndpoint:
             m.bind((group, int(port)))
             m.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
                          socket.inet_aton(group) + socket.inet_aton(iface_addr))
+            if self._gro is not None:
+                m.setsockopt(_net.SOL_UDP, _net.UDP_GRO, 1)
         except OSError as e:
             m.close()
             raise DosaError(f"cannot join multicast group {group}:{port} on {iface_addr}: "
@@ -244,7 +337,11 @@ class UdpEndpoint:
             raise DosaError(f"cannot send multicast from {iface_addr}: {e.strerror or e}") from None
 
     def _recv_fd(self, fd: int, timeout: float) -> int:
-        return _net.recv_batch(fd, self._rx.data, self._rx.lengths, self._src_ip, self._src_port, timeout)
+        if self._gro is not None:
+            return self._gro.recv(fd, self._rx.data, self._rx.lengths, self._src_ip, self._src_port,
+                                  timeout)
+        return _net.recv_batch(fd, self._rx.data, self._rx.lengths, self._src_ip, self._src_port,
+                               timeout, self._recv_ctr)
 
     def recv(self, timeout: float) -> tuple[PacketBatch, np.ndarray, np.ndarray]:
         """Receive what is queued (waiting up to ``timeout`` s for the first packet), from the

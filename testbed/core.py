@@ -172,6 +172,8 @@ class Testbed:
             ns.ip("addr", "add", f"{n.address}/{layout.prefixlen}", "dev", NODE_IFACE, ns=n.namespace)
             ns.ip("link", "set", NODE_IFACE, "up", ns=n.namespace)
             ns.ip("route", "add", config.MULTICAST_NET, "dev", NODE_IFACE, ns=n.namespace)
+            if shaping.needs_bpf_object:  # impair/reorder per packet, not per GSO datagram
+                impair.segment_at_node(n.namespace, NODE_IFACE)
             if n.role == "dpu":
                 # XDP_TX/REDIRECT out of the DPU's eth0 lands on this veth end, which must run NAPI
                 # to receive it: GRO on gives it NAPI (docs: PLATFORM.md)

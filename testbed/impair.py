@@ -37,6 +37,20 @@ def attach(namespace: str, dev: str, obj: Path) -> None:
           ns=namespace)
 
 
+def segment_at_node(namespace: str, dev: str) -> None:
+    """Make node interface ``dev`` cut UDP GSO datagrams into their packets itself (software GSO,
+    ``tx-udp-segmentation off``), so that the link's impairment sees every packet.
+
+    A veth hands a GSO datagram (up to 64 packets, host_lib.transport) to its peer whole when it
+    can; the bridge port's tc programs would then drop, duplicate or delay all its packets at once.
+    With segmentation at the node the fabric carries only the packets themselves, as a real NIC
+    puts them on the wire. The node's own egress qdisc still sees the whole datagram: tbf counts
+    its bytes exactly (per-segment headers included); the reorder classifier there holds or passes
+    it whole."""
+    ns.sh(["ip", "netns", "exec", namespace, "ethtool", "-K", dev, "tx-udp-segmentation", "off"],
+          what=f"turning off UDP segmentation offload on {dev} in {namespace}")
+
+
 def apply_qdiscs(namespace: str, dev: str, shaping: Shaping, obj: Path | None = None) -> None:
     """Install ``shaping``'s egress qdiscs on ``dev`` (tbf, netem, or the HTB reordering layout with
     its classifier from ``obj``, which ``build(shaping, ...)`` made). Remove them with

@@ -80,6 +80,8 @@ class Lab:
             obj = impair.build(Shaping(loss_pct=loss_pct, dup_pct=dup_pct), self.tmp)
             for port in self.ports:
                 impair.attach(self.fab, port, obj)
+            for ns in (*self.host_ns, *self.dpu_ns):  # loss per packet, not per GSO datagram
+                impair.segment_at_node(ns, "eth0")
             self._impaired = True
 
     def job(self, job_id=5, numel=200_000, partition_size=16384, mode="sum", density=0.01,
