@@ -1,0 +1,97 @@
+"""The Python client of the join API: one call (:func:`request`), the join (:func:`join_raw`,
+:func:`join`), the job config a join answers (:func:`job_config`)."""
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+
+from dosa import wire
+from dosa.errors import DosaError
+
+
+def _hostport(control) -> str:
+    if isinstance(control, (tuple, list)):
+        return f"{control[0]}:{int(control[1])}"
+    return str(control).removeprefix("http://").rstrip("/")
+
+
+def request(control, method: str, path: str, body: dict | None = None, timeout: float = 10.0) -> dict:
+    """One API call; a DosaError carrying the server's one-sentence message on any failure."""
+    hp = _hostport(control)
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://{hp}{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        try:
+            msg = json.loads(e.read()).get("error") or e.reason
+        except ValueError:
+            msg = e.reason
+        err = DosaError(f"control plane at {hp}: {msg}")
+        err.status = e.code  # type: ignore[attr-defined]
+        raise err from None
+    except (urllib.error.URLError, OSError, TimeoutError) as e:
+        reason = getattr(e, "reason", e)
+        raise DosaError(f"cannot reach the control plane at {hp}: {reason}") from None
+
+
+def join_raw(control, job_id: int, address: str, port: int | None = None, worker_id: int | None = None,
+             wait: float = 60.0, **job_shape) -> dict:
+    """POST /v1/join and return the response dict (see the module doc)."""
+    body = {"job_id": job_id, "address": address, "wait": wait, **job_shape}
+    if port is not None:
+        body["port"] = port
+    if worker_id is not None:
+        body["worker_id"] = worker_id
+    return request(control, "POST", "/v1/join", body, timeout=wait + 10)
+
+
+def join(control, worker_id: int | None = None, numel: int | None = None, *, job_id: int | None = None,
+         address: str | None = None, port: int | None = None, workers: int | None = None,
+         dpus: list | None = None, wait: float = 60.0, **job_kw):
+    """Join a job and return its host_lib.transport.JobConfig once every worker has joined.
+
+    Unset arguments come from the environment ``dosa testbed run`` (and torchrun) sets:
+    job_id <- DOSA_JOB_ID, address <- DOSA_HOST_ADDR, port <- DOSA_PORT, workers <- WORLD_SIZE,
+    dpus <- DOSA_DPU_ADDRS. numel, workers and dpus let the first joiner create the job."""
+    env = os.environ
+    if job_id is None:
+        if not env.get("DOSA_JOB_ID"):
+            raise DosaError("no job id: pass job_id or set DOSA_JOB_ID")
+        job_id = int(env["DOSA_JOB_ID"])
+    address = address or env.get("DOSA_HOST_ADDR")
+    if not address:
+        raise DosaError("no host address: pass address or set DOSA_HOST_ADDR")
+    if port is None:
+        port = int(env.get("DOSA_PORT", wire.DEFAULT_PORT))
+    if workers is None and env.get("WORLD_SIZE"):
+        workers = int(env["WORLD_SIZE"])
+    if dpus is None and env.get("DOSA_DPU_ADDRS"):
+        dport = int(env.get("DOSA_PORT", wire.DEFAULT_PORT))
+        dpus = [{"address": a, "port": dport} for a in env["DOSA_DPU_ADDRS"].split(",") if a]
+    shape = dict(job_kw)
+    if numel is not None:
+        shape["numel"] = int(numel)
+    if workers is not None:
+        shape["workers"] = int(workers)
+    if dpus is not None:
+        shape["dpus"] = dpus
+    resp = join_raw(control, job_id, address, port, worker_id, wait, **shape)
+    return job_config(resp)
+
+
+def job_config(resp: dict):
+    """host_lib.transport.JobConfig of a join response (the dict itself if host_lib is absent)."""
+    try:
+        from host_lib.transport import JobConfig
+    except ImportError:
+        return resp
+    return JobConfig(job_id=resp["job_id"], numel=resp["numel"],
+                     hosts=[(h["address"], h["port"]) for h in resp["hosts"]],
+                     dpus=[(d["address"], d["port"]) for d in resp["dpus"]],
+                     partition_size=resp["partition_size"], mode=resp["mode"], density=resp["density"],
+                     scale_exp=resp["scale_exp"])

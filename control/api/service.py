@@ -1,0 +1,272 @@
+"""The API's logic, usable in-process: ControlService answers every endpoint (router.py maps HTTP
+onto it) from its registry of jobs, installing jobs and flows in this DPU's dataplane and, through
+the other DPUs' servers, in theirs (peers.py), all or nothing."""
+from __future__ import annotations
+
+import threading
+
+from dosa import wire
+from dosa.errors import DosaError
+
+from ..alloc import AdmissionError
+from .job import Job
+from .peers import Peers
+from .persistence import load_jobs, save_jobs
+from .rendezvous import assign_rank, wait_complete
+from .validation import ApiError, bad, check_same_shape, parse_hosts, parse_job, req_addr, req_int, req_wait
+
+DEFAULT_CONTROL_PORT = 17800
+
+
+class ControlService:
+    """The API's logic, usable in-process. ``controller`` is this DPU's control.Controller, or None
+    when the DPU merges in user space (then only the registry is kept)."""
+
+    def __init__(self, controller=None, address: str = "127.0.0.1", data_port: int = wire.DEFAULT_PORT,
+                 control_port: int = DEFAULT_CONTROL_PORT, peer_timeout: float = 5.0,
+                 state_path: str | None = None):
+        self.controller = controller
+        self.address = address
+        self.data_port = data_port
+        self.control_port = control_port
+        self.peer_timeout = peer_timeout
+        self.peers = Peers(address, control_port, peer_timeout)
+        self.jobs: dict[int, Job] = {}
+        # _cv guards the registry (held briefly, never across a call to another DPU) and wakes
+        # rendezvous waiters; _op serialises this server's fan-outs to the DPUs of a job
+        self._cv = threading.Condition(threading.RLock())
+        self._op = threading.Lock()
+        self.state_path = state_path
+        self._load()
+
+    # ----------------------------------------------------------------------------- persistence
+    def _load(self) -> None:
+        """Re-read the registry a previous server of this DPU saved, keeping only jobs the local
+        dataplane still has (a restarted server must not 404 on, or re-create, a live job)."""
+        for job in load_jobs(self.state_path).values():
+            if self.controller is not None and job.dpu_index(self.address) is not None \
+                    and self.controller.maps.job_info(job.job_id) is None:
+                continue
+            self.jobs[job.job_id] = job
+
+    def _save(self) -> None:
+        save_jobs(self.state_path, self.jobs.values())
+
+    def _parse_job(self, req: dict, port_field: str = "job_port") -> Job:
+        return parse_job(req, self.address, self.data_port, port_field)
+
+    # ----------------------------------------------------------------------------- fan-out to DPUs
+    def _install_job(self, job: Job) -> None:
+        """Install on every DPU (dataplane in XDP mode, registry in both modes); when one refuses,
+        remove it from those that accepted (a job is on all its DPUs or on none)."""
+        def undo(i, a):
+            if a == self.address:
+                self._remove_job_here(job.job_id)
+            else:
+                self.peers.call(a, "DELETE", f"/v1/local/jobs/{job.job_id}")
+
+        self.peers.on_all_dpus(job, lambda i: self._install_job_here(job, i), "POST",
+                               "/v1/local/jobs", job.body(), undo)
+
+    # ------------------------------------------------------------------------------------ requests
+    def create_job(self, req: dict) -> dict:
+        job = self._parse_job(req, "port")
+        with self._op:
+            with self._cv:
+                if job.job_id in self.jobs:
+                    raise ApiError(409, f"job {job.job_id} already exists")
+            self._install_job(job)
+            with self._cv:
+                self.jobs[job.job_id] = job
+                self._save()
+                return job.view()
+
+    def join(self, req: dict) -> dict:
+        if not isinstance(req, dict):
+            raise bad("the join request must be a JSON object")
+        job_id = req_int(req, "job_id", 1, 2**32 - 1)
+        address = req_addr(req.get("address"), "address")
+        wait = req_wait(req)
+        # _op: one fan-out at a time from this server (HTTP to peers happens under it, never under
+        # _cv, which every server's /v1/local/* handlers take: two DPUs coordinating joins at once
+        # cannot deadlock each other)
+        with self._op:
+            with self._cv:
+                job = self.jobs.get(job_id)
+            if job is None:
+                if "numel" not in req or "workers" not in req:
+                    raise ApiError(404, f"job {job_id} does not exist (a first joiner must give numel "
+                                        "and workers to create it)")
+                job = self._parse_job(req)
+                self._install_job(job)
+                with self._cv:
+                    self.jobs[job_id] = job
+                    self._save()
+            else:
+                check_same_shape(job, req)
+            port = req_int(req, "port", 1, 65535, job.port)
+            with self._cv:
+                wid = assign_rank(job, req.get("worker_id", req.get("rank")), address, port)
+                have = job.members.get(wid)
+            if have is not None and have != (address, port) and not req.get("replace"):
+                raise ApiError(409, f"worker {wid} of job {job_id} already joined from {have[0]}:{have[1]}")
+            flow = {"job_id": job_id, "worker_id": wid, "address": address, "port": port}
+            old = None if have is None else dict(flow, address=have[0], port=have[1])
+
+            def undo(i, a):  # put back what the DPU had before this join
+                if a == self.address:
+                    if old is None:
+                        self.local_remove_flow(job_id, wid)
+                    else:
+                        self.local_install_flow(old)
+                elif old is None:
+                    self.peers.call(a, "DELETE", f"/v1/local/flows/{job_id}/{wid}")
+                else:
+                    self.peers.call(a, "POST", "/v1/local/flows", dict(old, dpu_index=i))
+
+            self.peers.on_all_dpus(job, lambda i: self.local_install_flow(flow), "POST",
+                                   "/v1/local/flows", flow, undo)
+            with self._cv:
+                job.members[wid] = (address, port)  # already there when this server is a DPU of the job
+                self._save()
+                self._cv.notify_all()
+        with self._cv:
+            wait_complete(self._cv, job, wait)
+            return job.view(wid)
+
+    def leave(self, req: dict) -> dict:
+        job_id = req_int(req, "job_id", 1, 2**32 - 1)
+        wid = req_int(req, "worker_id", 0, wire.MAX_WORKERS - 1)
+        with self._op:
+            with self._cv:
+                job = self._job(job_id)
+                if wid not in job.members:
+                    raise ApiError(404, f"worker {wid} is not a member of job {job_id}")
+            self.peers.on_all_dpus(job, lambda i: self.local_remove_flow(job_id, wid), "DELETE",
+                              f"/v1/local/flows/{job_id}/{wid}", None)
+            with self._cv:
+                job.members.pop(wid, None)
+                self._save()
+                return job.view()
+
+    def _job(self, job_id: int) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise ApiError(404, f"job {job_id} does not exist")
+        return job
+
+    def get_job(self, job_id: int) -> dict:
+        with self._cv:
+            return self._job(job_id).view()
+
+    def list_jobs(self) -> dict:
+        with self._cv:
+            return {"jobs": [j.view() for j in self.jobs.values()]}
+
+    def remove_job(self, job_id: int) -> dict:
+        with self._op:
+            with self._cv:
+                job = self._job(job_id)
+            self.peers.on_all_dpus(job, lambda i: self._remove_job_here(job_id), "DELETE",
+                              f"/v1/local/jobs/{job_id}", None)
+            with self._cv:
+                self.jobs.pop(job_id, None)
+                self._save()
+                return {"removed": job_id}
+
+    def stats(self) -> dict:
+        if self.controller is None:
+            return {"mode": "userspace", "jobs": self.list_jobs()["jobs"]}
+        return self.controller.stats()
+
+    # ------------------------------------------------------------------------ this DPU's dataplane
+    # and registry: what /v1/local/* does, and what a coordinating server does for itself. Every DPU
+    # of a job keeps the job (and its members) in its registry, in both modes, so its DPU worker
+    # learns the whole job from its own control plane.
+    def _install_job_here(self, job: Job, dpu_index: int) -> None:
+        with self._cv:
+            have = self.jobs.get(job.job_id)
+            if have is not None and have is not job:
+                raise ApiError(409, f"job {job.job_id} already exists on DPU {self.address}")
+            if self.controller is not None:
+                try:
+                    self.controller.add_job(job.job_id, workers=job.workers, numel=job.numel,
+                                            partition_size=job.partition_size, num_dpus=len(job.dpus),
+                                            dpu_index=dpu_index, scale_exp=job.scale_exp, mode=job.mode,
+                                            port=job.port)
+                except AdmissionError as e:
+                    raise ApiError(507, str(e)) from None
+                except DosaError as e:
+                    raise ApiError(409, str(e)) from None
+            self.jobs[job.job_id] = job
+            self._save()
+
+    def _remove_job_here(self, job_id: int) -> None:
+        with self._cv:
+            self.jobs.pop(job_id, None)
+            if self.controller is not None:
+                try:
+                    self.controller.remove_job(job_id)
+                except DosaError:
+                    pass  # already gone: removal is idempotent
+            self._save()
+            self._cv.notify_all()
+
+    def local_install_job(self, req: dict) -> dict:
+        """A peer installs a job here. The body is the job's full view (``Job.body``) plus this
+        DPU's ``dpu_index``."""
+        if not isinstance(req.get("dpus"), list) or not req["dpus"]:
+            raise bad("a job installed on a DPU must list the job's dpus")
+        job = self._parse_job(req, "port")
+        idx = req_int(req, "dpu_index", 0, len(job.dpus) - 1)
+        if req_int(req, "num_dpus", 1, 1 << 16, len(job.dpus)) != len(job.dpus):
+            raise bad(f"num_dpus {req['num_dpus']} differs from the {len(job.dpus)} dpus listed")
+        job.members = parse_hosts(req.get("hosts") or [], job)
+        self._install_job_here(job, idx)
+        return {"installed": True, "dataplane": self.controller is not None}
+
+    def local_install_flow(self, req: dict) -> dict:
+        """Record the member in the registry first, then the flow in the dataplane: a worker that
+        sees the flows complete in the maps finds the registry complete too."""
+        job_id = req_int(req, "job_id", 1, 2**32 - 1)
+        wid = req_int(req, "worker_id", 0, wire.MAX_WORKERS - 1)
+        member = (req_addr(req.get("address"), "address"), req_int(req, "port", 1, 65535))
+        with self._cv:
+            job = self.jobs.get(job_id)
+            if job is None and self.controller is None:
+                raise ApiError(404, f"job {job_id} is not installed on DPU {self.address}")
+            if job is not None and wid >= job.workers:
+                raise bad(f"worker id {wid} outside 0..{job.workers - 1} for job {job_id}")
+            old = job.members.get(wid) if job is not None else None
+            if job is not None:
+                job.members[wid] = member
+            if self.controller is not None:
+                try:
+                    self.controller.add_worker(job_id, wid, *member)
+                except DosaError as e:
+                    if job is not None:  # put the registry back as it was
+                        if old is None:
+                            job.members.pop(wid, None)
+                        else:
+                            job.members[wid] = old
+                    raise ApiError(507 if isinstance(e, AdmissionError) else 404, str(e)) from None
+            self._save()
+            self._cv.notify_all()
+        return {"installed": True, "dataplane": self.controller is not None}
+
+    def local_remove_flow(self, job_id: int, worker_id: int) -> dict:
+        with self._cv:
+            job = self.jobs.get(job_id)
+            if job is not None:
+                job.members.pop(worker_id, None)
+            if self.controller is not None:
+                try:
+                    self.controller.remove_worker(job_id, worker_id)
+                except DosaError:
+                    pass  # already gone: removal is idempotent
+            self._save()
+        return {"removed": True}
+
+    def local_remove_job(self, job_id: int) -> dict:
+        self._remove_job_here(job_id)
+        return {"removed": True}
