@@ -18,7 +18,6 @@ Loss recovery (docs/dpu_worker.md):
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import os
 import time
 
@@ -29,44 +28,14 @@ from dosa.errors import DosaError
 from dosa.wire import Flags, HEADER_DTYPE, PacketBatch, PacketType
 
 from .packetizer import packetize, packetize_control, parse_batch
-from .quantize import choose_scale_exp, clip_bound, dequantize, quantize
+from .encoder import RoundEncoder
+from .quantize import choose_scale_exp, clip_bound, dequantize
 from . import _net
 from .transport import JobConfig, UdpEndpoint, addr_arrays, multicast_group
 
 #: _net.decode_sparse_entries decodes (big-endian u32 index, big-endian s32 value) pairs: use it
 #: only while that is the wire's entry layout.
 _FAST_ENTRIES = wire.SPARSE_ENTRY_DTYPE == np.dtype([("index", ">u4"), ("value", ">i4")])
-
-
-class _TopK:
-    """Top-k with error feedback, the minimum the client needs for ``allreduce(array)``.
-
-    a = x + residual; send the k = ceil(density * n) largest |a| quantized; residual keeps the
-    rest, the quantization remainder and (gtopk) the entries the DPU did not return.
-    """
-
-    def __init__(self, numel: int, density: float, workers: int):
-        self.residual = np.zeros(numel, np.float32)
-        self.k = max(1, math.ceil(density * numel))
-        self.workers = workers
-
-    def encode(self, x: np.ndarray, scale_exp: int):
-        a = x + self.residual
-        if self.k >= len(a):
-            idx = np.arange(len(a), dtype=np.int64)
-        else:
-            idx = np.sort(np.argpartition(np.abs(a), len(a) - self.k)[len(a) - self.k:])
-        q, rem = quantize(a[idx], scale_exp, self.workers)
-        self.residual = a
-        self.residual[idx] = rem
-        nz = q != 0
-        return idx[nz].astype(np.uint32), q[nz], idx[~nz]
-
-    def fold_back(self, sent_idx, sent_q, scale_exp, result_idx):
-        """gtopk: our entries whose index did not come back go back into the residual."""
-        lost = ~np.isin(sent_idx, result_idx, assume_unique=True)
-        if lost.any():
-            self.residual[sent_idx[lost]] += dequantize(sent_q[lost], scale_exp)
 
 
 class AllreduceHandle:
@@ -145,7 +114,7 @@ class AggregationClient:
                 self.multicast_group = None
         self.dpu_table = addr_arrays(job.dpus)
         self._dpu_ip_of = {int(ip): d for d, ip in enumerate(self.dpu_table[0])}
-        self._encoder: _TopK | None = None
+        self._encoder: RoundEncoder | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.retransmissions = 0
         self._rng = np.random.default_rng() if shuffle_sends else None
@@ -193,12 +162,13 @@ class AggregationClient:
             raise DosaError(f"allreduce of {x.size} entries, but job {self.job.job_id} has numel "
                             f"{self.job.numel}")
         if self._encoder is None:
-            self._encoder = _TopK(self.job.numel, self.density, self.job.workers)
+            self._encoder = RoundEncoder(self.job.numel, self.density, self.job.workers,
+                                         seed=self.worker_id)
         s = self.scale_exp
-        idx, q, _ = self._encoder.encode(x, s)
-        ridx, sums = self.allreduce_sparse(idx, q, s)
+        sent = self._encoder.encode(x, s)
+        ridx, sums = self.allreduce_sparse(sent.indices, sent.values, s)
         if self.job.mode == "gtopk":
-            self._encoder.fold_back(idx, q, s, ridx)
+            self._encoder.fold_back(*self._encoder.unapplied(sent, ridx), s)
         out = np.zeros(self.job.numel, np.float32)
         vals = dequantize(sums, s)
         out[ridx] = vals
@@ -235,6 +205,13 @@ class AggregationClient:
         out = _Round(self, batch, int(scale_exp)).run()
         self.round += 1
         return out
+
+    def open_stream(self, scale_exp: int):
+        """Start a round whose partitions are handed over in ascending ranges while it runs
+        (host_lib.stream.SparseStream: a DDP step's buckets, sent as backward produces them)."""
+        from .stream import SparseStream  # stream builds on _Round, defined here
+
+        return SparseStream(self, int(scale_exp))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -277,6 +254,7 @@ class _Round:
         self.raw_key: list[np.ndarray] = []
         self.raw_count: list[np.ndarray] = []
         self.next = 0
+        self.released = P  # partitions [0, released) may be sent (a SparseStream releases them in ranges)
         self.missing: dict[int, list[int]] = {}
         self.status_at = np.full(P, -np.inf)  # when the last STATUS of each partition arrived
 
@@ -324,9 +302,9 @@ class _Round:
     def _fill_window(self) -> None:
         inflight = int((self.sent & ~self.done).sum())
         room = self.c.window - inflight
-        if room <= 0 or self.next >= self.P:
+        if room <= 0 or self.next >= self.released:
             return
-        hi = min(self.P, self.next + room)
+        hi = min(self.released, self.next + room)
         rows = np.arange(self.pk_start[self.next], self.pk_start[hi])
         self._send(rows)
         self.sent[self.next:hi] = True

@@ -1,10 +1,7 @@
-"""Gradient sparsification: top-k selection with error feedback, behind a swappable interface.
+"""Top-k selection on host (numpy) arrays: the selectors behind host_lib.encoder.RoundEncoder.
 
-The interface is Horovod's: ``compress(tensor) -> (payload, ctx)`` and
-``decompress(payload, ctx) -> tensor``, so the training hook can swap :class:`NoneCompressor` (dense,
-for baselines) and :class:`TopKCompressor` without knowing which it holds.
-
-Selection (``select_topk``):
+``target_k`` is the one rule for how many entries a density means (every path uses it through
+the encoder). Selection (``select_topk``):
 
 * ``"exact"``: ``np.argpartition`` of ``|a|``: the reference, O(n) but with several 25M-entry
   temporaries; ~0.3-1 s for 25M float32 on this machine.
@@ -23,7 +20,7 @@ Error feedback: what is not sent stays in a float32 residual ``r`` and is added 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -214,75 +211,3 @@ def select_topk(a, density: float, method: str = "fast", *, rng=None, residual_o
         a = residual_out
     idx = topk_exact(a, k)
     return idx, a[idx]
-
-
-# --------------------------------------------------------------------------------------------------
-# Horovod-style compressors
-# --------------------------------------------------------------------------------------------------
-class NoneCompressor:
-    """Sends the tensor as it is (dense baseline)."""
-
-    def compress(self, tensor):
-        return np.asarray(tensor), None
-
-    def decompress(self, payload, ctx):
-        return payload
-
-
-@dataclass
-class TopKContext:
-    shape: tuple
-    dtype: np.dtype
-
-
-class TopKCompressor:
-    """Top-k sparsification with optional error feedback.
-
-    Args:
-        density: fraction of entries sent each call, in [0, 1]. 0 sends nothing (everything stays in
-            the residual), 1 sends everything.
-        method: "exact" or "fast" (see the module docstring).
-        error_feedback: keep what was not sent and add it to the next tensor.
-        seed: seeds the fast method's sampling (reproducible runs).
-    Example:
-        >>> c = TopKCompressor(0.01)
-        >>> (idx, vals), ctx = c.compress(grad)
-        >>> approx = c.decompress((idx, vals), ctx)
-    The payload is ``(indices uint32 ascending, values float32)`` into the flattened tensor.
-    """
-
-    def __init__(self, density: float, method: str = "fast", error_feedback: bool = True, seed: int = 0):
-        if not 0.0 <= float(density) <= 1.0:
-            raise ValueError(f"density must be in [0, 1], got {density}")
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        self.density = float(density)
-        self.method = method
-        self.error_feedback = bool(error_feedback)
-        self.rng = np.random.default_rng(seed)
-        self.residual: np.ndarray | None = None
-        self.stats = FastStats()
-
-    def reset(self) -> None:
-        """Forget the residual (e.g. after the model's shape changed)."""
-        self.residual = None
-
-    def compress(self, tensor):
-        t = np.asarray(tensor)
-        ctx = TopKContext(tuple(t.shape), t.dtype if np.issubdtype(t.dtype, np.floating) else np.dtype(np.float32))
-        flat = _as_flat_f32(t)
-        if not self.error_feedback:
-            idx, vals = select_topk(flat, self.density, self.method, rng=self.rng, stats=self.stats)
-            return (idx, vals), ctx
-        if self.residual is None or self.residual.shape != flat.shape:
-            self.residual = np.zeros(flat.shape, np.float32)
-        idx, vals = select_topk(flat, self.density, self.method, rng=self.rng,
-                                residual_out=self.residual, stats=self.stats)
-        self.residual[idx] = 0.0
-        return (idx, vals), ctx
-
-    def decompress(self, payload, ctx: TopKContext):
-        idx, vals = payload
-        out = np.zeros(int(np.prod(ctx.shape, dtype=np.int64)), np.float32)
-        out[idx] = vals
-        return out.reshape(ctx.shape).astype(ctx.dtype, copy=False)

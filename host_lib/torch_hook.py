@@ -7,17 +7,21 @@ Register it like PyTorch's own hooks (``torch.distributed.algorithms.ddp_comm_ho
 
 What one training step does (details and the reasons in ``docs/training.md``):
 
-* DDP calls the hook once per gradient bucket, in bucket-index order on every rank. The hook parks
-  every bucket until the last one of the step arrives and then runs **one dosa round over the
-  concatenation of all buckets**: one index space per job (the model's gradient size, fixed for the
-  whole run), a global top-k across layers, and one round per step, so every rank's rounds line up
-  by construction.
-* Per bucket, the error-feedback residual (keyed by bucket index) is added to the gradient; the
-  concatenation is sparsified (top-k of ``|g + r|``), quantized to int32 fixed point, and summed by the
-  DPU; everything not sent (unselected entries, rounding error, the clipped part, and in ``gtopk`` jobs
-  the entries the DPU did not return) stays in the residual, so nothing is lost over time.
-* The result is scattered into each bucket's buffer as ``sum / world_size`` (DDP averages).
-* The first ``dense_warmup_steps`` steps use the process group's dense allreduce.
+* DDP calls the hook once per gradient bucket, in bucket-index order on every rank. The buckets, in
+  that order, tile the job's one index space (the model's gradient size, fixed for the run).
+* Each bucket has its own :class:`host_lib.encoder.RoundEncoder` on the bucket's device: error
+  feedback (float32 residual whatever the bucket's dtype: fp16/bf16 work), optional DGC momentum
+  correction, top-k, fixed point. Only the selected entries cross to host memory.
+* **Overlap** (``overlap=True``, the default): the step is one streaming round
+  (``host_lib.stream.SparseStream``). A bucket's entries go out as soon as DDP hands the bucket
+  over, for every partition the buckets seen so far cover completely; its future completes (in the
+  stream's thread) as soon as the partitions it overlaps are back, so the hook returns to backward
+  after encoding and sending. ``overlap=False`` parks every bucket until the last one and runs one
+  blocking round (the same encoders and bytes: the baseline of the overlap measurement).
+* The result is written into each bucket's buffer as ``sum / world_size`` (DDP averages); in
+  ``gtopk`` jobs what this host sent but the DPU did not return goes back into the residual.
+* The first dosa step always parks (only then is the model's gradient size known, for the join);
+  the first ``dense_warmup_steps`` steps use the process group's dense allreduce.
 * If dosa is unavailable (creating the client raises on any rank), every rank agrees, through one
   tiny process-group allreduce, to fall back to the process group's allreduce for the rest of the
   run, with ONE warning. Agreement matters: a rank that silently went dense while others wait for
@@ -38,6 +42,8 @@ import torch
 import torch.distributed as dist
 
 from host_lib import hook_codec
+from host_lib.compress import METHODS
+from host_lib.encoder import EncodedRound, RoundEncoder
 
 log = logging.getLogger(__name__)
 
@@ -55,22 +61,25 @@ class DosaHookStats:
 
     steps: int = 0  #: optimizer steps seen (hook invocations for the last bucket)
     dosa_rounds: int = 0  #: steps whose gradients went through dosa
+    overlapped_rounds: int = 0  #: of which streamed bucket by bucket (overlap with backward)
     dense_steps: int = 0  #: steps that used the process group (warm-up or fallback)
     fallbacks: int = 0  #: 1 once the hook fell back to the process group for good
     bytes_sent: int = 0
     bytes_received: int = 0
     retransmissions: int = 0
     entries_sent: int = 0  #: nonzero (index, value) pairs this host sent
-    numel: int = 0  #: size of the concatenated gradient
-    buckets_per_step: int = 0  #: DDP buckets concatenated into the last dosa round
+    numel: int = 0  #: size of the whole gradient (all buckets)
+    buckets_per_step: int = 0  #: DDP buckets of the last dosa step
     densities: list[float] = field(default_factory=list)  #: sent entries / numel, per dosa round
     residual_remaps: int = 0  #: buckets whose layout changed (DDP rebuilds buckets after step 1)
-    dosa_seconds: float = 0.0  #: wall time spent in dosa rounds (encode + allreduce + decode)
-    allreduce_seconds: float = 0.0  #: of which waiting for the network round (client.allreduce_sparse)
+    hook_seconds: float = 0.0  #: wall time inside the hook in dosa steps: what blocks backward
+    hook_seconds_per_step: list[float] = field(default_factory=list)  #: the same, per dosa step
+    allreduce_seconds: float = 0.0  #: parked steps: time in the blocking round (client.allreduce_sparse)
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["densities"] = list(self.densities)
+        d["hook_seconds_per_step"] = list(self.hook_seconds_per_step)
         d["mean_density"] = float(np.mean(self.densities)) if self.densities else 0.0
         d["bytes_per_round"] = ((self.bytes_sent + self.bytes_received) / self.dosa_rounds
                                 if self.dosa_rounds else 0.0)
@@ -104,17 +113,35 @@ def _default_client_factory(numel: int, job_options: dict | None = None):
     return client
 
 
+class _Step:
+    """What the hook keeps while one step's buckets come in."""
+
+    def __init__(self, scale_exp: int):
+        self.scale_exp = scale_exp
+        self.offset = 0  #: where the next bucket starts in the job's index space
+        self.buckets = 0
+        self.entries = 0
+        self.hook_seconds = 0.0
+        self.max_abs: list[float] = []  #: largest |sum| of each bucket's result (next round's scale)
+        self.parked: list[tuple[int, torch.Tensor, torch.futures.Future]] = []
+        self.stream = None
+        self.carry_idx = np.zeros(0, np.uint32)  #: entries of a partition the next bucket completes
+        self.carry_q = np.zeros(0, np.int32)
+
+
 class DosaHookState:
     """Configuration, internal state and statistics of :func:`dosa_hook`.
 
     Args:
-        client: an already joined client (``host_lib.client.AggregationClient`` or anything with
-            ``allreduce_sparse(indices, values, scale_exp) -> (indices, sums)``, ``stats`` and
-            ``close()``). Mutually exclusive with ``client_factory``.
+        client: an already joined client (``host_lib.client.AggregationClient``, or anything with
+            ``allreduce_sparse(indices, values, scale_exp) -> (indices, sums)``, ``stats``,
+            ``close()`` and, for overlap, ``pmap`` and ``open_stream(scale_exp)``). Mutually
+            exclusive with ``client_factory``.
         client_factory: ``f(numel) -> client``, called lazily at the first dosa step, when the
             gradient size is known. Default (neither given): join the job named by the DOSA_*
             environment variables (what ``dosa testbed run`` sets).
-        density: fraction of the gradient entries each host sends per step, in (0, 1].
+        density: fraction of the gradient entries each host sends per step, in (0, 1]; k per
+            bucket is ``host_lib.compress.target_k`` (round(density * bucket size), at least 1).
         dense_warmup_steps: number of first steps reduced densely by the process group (>= 0).
         process_group: group for the dense path and the fallback agreement (default: WORLD).
         scale_exp: fixed-point exponent of the first dosa round (-32..62); later rounds adapt it from
@@ -124,15 +151,16 @@ class DosaHookState:
         fallback: if True (default), fall back to the process group when dosa is unavailable;
             if False, raise instead.
         momentum: momentum correction (Deep Gradient Compression, Lin et al. 2018), in [0, 1).
-            When > 0 the hook keeps a per-bucket velocity ``u = momentum * u + g`` and sparsifies
+            When > 0 every bucket keeps a velocity ``u = momentum * u + g`` and sparsifies
             ``residual + u`` instead of ``residual + g``: the optimizer must then run WITHOUT
-            momentum (it would apply it twice). Sparsifying the velocity, not the gradient, keeps
-            momentum from acting on stale residuals, which is what slows plain error feedback.
-        job_options: with the default client factory and a control plane, extra job shape for the
-            join that creates the job (``partition_size``: spread a small model over several DPUs;
-            ``mode``: ``sum`` or ``gtopk``).
+            momentum (it would apply it twice).
         momentum_masking: with momentum, zero the velocity of the entries just sent (DGC's
             "momentum factor masking": those entries' past must not push them again).
+        job_options: with the default client factory and a control plane, extra job shape for the
+            join that creates the job (``partition_size``; ``mode``: ``sum`` or ``gtopk``).
+        overlap: stream each bucket as DDP hands it over (default) instead of one blocking round
+            at the last bucket.
+        method: top-k selector, ``fast`` (default; the Cython single pass on CPU) or ``exact``.
 
     Example::
         >>> # xdoctest: +SKIP
@@ -146,7 +174,8 @@ class DosaHookState:
     def __init__(self, client=None, client_factory: Callable[[int], Any] | None = None,
                  density: float = 0.01, dense_warmup_steps: int = 0, process_group=None,
                  scale_exp: int | None = None, headroom: float = 2.0, fallback: bool = True,
-                 momentum: float = 0.0, momentum_masking: bool = True, job_options: dict | None = None):
+                 momentum: float = 0.0, momentum_masking: bool = True, job_options: dict | None = None,
+                 overlap: bool = True, method: str = "fast"):
         if client is not None and client_factory is not None:
             raise ValueError("give either client or client_factory, not both")
         if client_factory is not None and not callable(client_factory):
@@ -166,10 +195,13 @@ class DosaHookState:
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
                 or not math.isfinite(headroom) or headroom < 1.0:
             raise ValueError(f"headroom must be a finite number >= 1, got {headroom!r}")
-
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
                 or not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+        if job_options is not None and not isinstance(job_options, dict):
+            raise ValueError(f"job_options must be a dict, got {type(job_options).__name__}")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         # hyperparameters
         self.momentum = float(momentum)
         self.momentum_masking = bool(momentum_masking)
@@ -179,23 +211,24 @@ class DosaHookState:
         self.headroom = float(headroom)
         self.allow_fallback = bool(fallback)
         self.initial_scale_exp = scale_exp
+        self.overlap = bool(overlap)
+        self.method = method
         # internal state
         self._client = client
-        if job_options is not None and not isinstance(job_options, dict):
-            raise ValueError(f"job_options must be a dict, got {type(job_options).__name__}")
         if client_factory is None and client is None:
             opts = dict(job_options or {})
             client_factory = lambda numel: _default_client_factory(numel, opts)  # noqa: E731
         self._client_factory = client_factory
         self._client_ready = False  # creation + cross-rank agreement done
         self._use_fallback = False
-        self._residuals: dict[int, np.ndarray] = {}  # bucket index -> float32 residual
-        self._velocities: dict[int, np.ndarray] = {}  # bucket index -> velocity (momentum > 0)
+        self._encoders: dict[int, RoundEncoder] = {}  # bucket index -> residual (+ velocity)
         self._layouts: dict[int, tuple] = {}  # bucket index -> parameter layout signature
-        self._pending: list[tuple[int, torch.Tensor, torch.futures.Future]] = []
-        self._prev: tuple[dict, dict, dict] = ({}, {}, {})
+        self._prev: tuple[dict, dict] = ({}, {})
         self._scale_exp: int | None = scale_exp
         self._client_base: dict[str, int] = {}
+        self._step: _Step | None = None
+        self._last_stream = None
+        self._last_max_abs: list[float] = []
         # statistics
         self.stats = DosaHookStats()
         self._logged = False
@@ -217,11 +250,21 @@ class DosaHookState:
     def client(self):
         return self._client
 
+    @property
+    def _residuals(self) -> dict[int, np.ndarray]:
+        """Each bucket's residual (numpy; for tests and reports)."""
+        return {i: e.residual for i, e in self._encoders.items()}
+
+    @property
+    def _gtopk(self) -> bool:
+        return getattr(getattr(self._client, "job", None), "mode", "sum") == "gtopk"
+
     def _log_config_once(self) -> None:
         if not self._logged:
             self._logged = True
-            log.info("dosa hook: density=%g dense_warmup_steps=%d world_size=%d headroom=%g "
-                     "initial scale_exp=%s fallback=%s", self.density, self.dense_warmup_steps,
+            log.info("dosa hook: density=%g method=%s overlap=%s momentum=%g dense_warmup_steps=%d "
+                     "world_size=%d headroom=%g initial scale_exp=%s fallback=%s", self.density,
+                     self.method, self.overlap, self.momentum, self.dense_warmup_steps,
                      self.world_size, self.headroom, self.initial_scale_exp, self.allow_fallback)
 
     def _ensure_client(self, numel: int) -> None:
@@ -253,27 +296,38 @@ class DosaHookState:
                       f"allreduce for the rest of the run", DosaUnavailableWarning, stacklevel=2)
         self.close()
 
-    def _residual_for(self, bucket: dist.GradBucket, numel: int) -> np.ndarray:
-        """The bucket's residual (and velocity). DDP rebuilds its buckets after the first step
-        (gradient-ready order): a bucket whose parameter layout changed gets its parameters'
-        residual carried over from wherever they were, so nothing sent to the residual is lost."""
-        idx = bucket.index()
-        if not self._pending:  # first bucket of a step: the layouts every bucket had before it
-            self._prev = (dict(self._layouts), dict(self._residuals), dict(self._velocities))
+    def _encoder_for(self, bucket: dist.GradBucket, buf: torch.Tensor) -> RoundEncoder:
+        """The bucket's encoder. DDP rebuilds its buckets after the first step (gradient-ready
+        order): a bucket whose parameter layout changed gets its parameters' residual (and
+        velocity) carried over from wherever they were, so nothing sent to the residual is lost."""
+        idx, n = bucket.index(), buf.numel()
         layout = tuple((p.data_ptr(), tuple(p.shape)) for p in bucket.parameters())
-        if self._layouts.get(idx) != layout or self._residuals[idx].size != numel:
-            old_layouts, old_res, old_vel = self._prev
+        enc = self._encoders.get(idx)
+        if enc is None or self._layouts.get(idx) != layout or enc.numel != n or enc.device != buf.device:
+            old_layouts, old_encs = self._prev
             if old_layouts:
                 self.stats.residual_remaps += 1
                 log.debug("dosa hook: bucket %d changed layout; carrying its residual over", idx)
+            rank = dist.get_rank(self.group)
+            enc = RoundEncoder(n, self.density, self.world_size, self.method, seed=1000 * rank + idx,
+                               device=buf.device, momentum=self.momentum,
+                               momentum_masking=self.momentum_masking)
+            enc.load_state(carry_over(old_layouts, {b: e.r for b, e in old_encs.items()}, layout, n),
+                           carry_over(old_layouts, {b: e.u for b, e in old_encs.items()
+                                                    if e.u is not None}, layout, n)
+                           if self.momentum else None)
             self._layouts[idx] = layout
-            self._residuals[idx] = carry_over(old_layouts, old_res, layout, numel)
-            if self.momentum:
-                self._velocities[idx] = carry_over(old_layouts, old_vel, layout, numel)
-        return self._residuals[idx]
+            self._encoders[idx] = enc
+        return enc
 
     def close(self) -> None:
         """Leave the dosa job (idempotent)."""
+        stream, self._last_stream = self._last_stream, None
+        if stream is not None:
+            try:
+                stream.finish(timeout=30)
+            except Exception as e:  # noqa: BLE001 - closing must not mask the real outcome
+                log.warning("dosa hook: the last round failed: %s", e)
         client, self._client = self._client, None
         if client is not None and hasattr(client, "close"):
             try:
@@ -281,74 +335,151 @@ class DosaHookState:
             except Exception as e:  # noqa: BLE001 - closing must not mask the real outcome
                 log.warning("dosa hook: closing the client failed: %s", e)
 
-    # ------------------------------------------------------------------ the dosa round
-    def _run_round(self) -> None:
-        """Concatenate the parked buckets, run one dosa round, complete every bucket's future."""
-        pending, self._pending = self._pending, []
-        t0 = time.perf_counter()
-        try:
-            bufs = [b.detach().reshape(-1) for _, b, _ in pending]
-            sizes = [b.numel() for b in bufs]
-            parts = []
-            for (i, _, _), b in zip(pending, bufs):
-                g = b.numpy().astype(np.float32, copy=False)
-                if self.momentum:
-                    u = self._velocities[i]
-                    u *= self.momentum
-                    u += g
-                    g = u
-                parts.append(g + self._residuals[i])
-            acc = np.concatenate(parts)
-            world = self.world_size
-            enc = hook_codec.encode(acc, self.density, self._scale_exp, world)
-            t1 = time.perf_counter()
-            res_idx, res_sums = self._client.allreduce_sparse(enc.indices, enc.values, enc.scale_exp)
-            self.stats.allreduce_seconds += time.perf_counter() - t1
-            avg, new_residual, max_abs = hook_codec.decode(acc.size, enc, res_idx, res_sums, world)
-            self._scale_exp = hook_codec.next_scale_exp(max_abs, world, self.headroom, enc.scale_exp)
-            if self.momentum and self.momentum_masking and enc.indices.size:
-                starts = np.cumsum([0] + sizes)
-                which = np.searchsorted(starts, enc.indices, side="right") - 1
-                for j, (i, _, _) in enumerate(pending):
-                    sel = enc.indices[which == j].astype(np.int64) - starts[j]
-                    self._velocities[i][sel] = 0.0
-            off = 0
-            for (i, buf, fut), n in zip(pending, sizes):
-                self._residuals[i] = new_residual[off:off + n]
-                buf.copy_(torch.from_numpy(avg[off:off + n]).view_as(buf))
-                off += n
-            st = self.stats
-            st.dosa_rounds += 1
-            st.numel = acc.size
-            st.buckets_per_step = len(pending)
-            st.entries_sent += int(enc.indices.size)
-            st.densities.append(enc.indices.size / acc.size if acc.size else 0.0)
-            for key, val in hook_codec.client_counters(self._client).items():
-                setattr(st, key, val - self._client_base.get(key, 0))
-            st.dosa_seconds += time.perf_counter() - t0
-        except BaseException as e:
-            for _, _, fut in pending:
+    # ------------------------------------------------------------------ one step
+    def _begin_step(self) -> _Step:
+        """First bucket of a dosa step: the previous step's round is over (DDP waited for its
+        futures); take its result's largest sum into the scale of this one."""
+        stream, self._last_stream = self._last_stream, None
+        if stream is not None:
+            stream.finish()
+        if self._last_max_abs and self._scale_exp is not None:
+            self._scale_exp = hook_codec.next_scale_exp(max(self._last_max_abs), self.world_size,
+                                                        self.headroom, self._scale_exp)
+        self._last_max_abs = []
+        self._prev = (dict(self._layouts), dict(self._encoders))
+        step = _Step(self._scale_exp)
+        self._step = step
+        return step
+
+    def _deliver(self, enc: RoundEncoder, sent: EncodedRound, buf: torch.Tensor, idx, sums,
+                 scale_exp: int, max_abs: list) -> None:
+        """Write one bucket's result (``idx`` local to the bucket) into its buffer as the average;
+        gtopk: fold back what this host sent that did not come back."""
+        world = self.world_size
+        idx = np.asarray(idx, np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= buf.numel()):
+            raise ValueError(f"dosa result has indices outside [0, {buf.numel()})")
+        vals = np.ldexp(np.asarray(sums, np.float64), -scale_exp)
+        if vals.size:
+            max_abs.append(float(np.abs(vals).max()))
+        flat = buf.view(-1)
+        flat.zero_()
+        at = torch.from_numpy(idx).to(buf.device)
+        flat[at] = torch.from_numpy((vals / world).astype(np.float32)).to(buf.device, buf.dtype)
+        if self._gtopk and len(sent):
+            enc.fold_back(*enc.unapplied(sent, idx), scale_exp)
+
+    def _stream_bucket(self, step: _Step, bucket, buf: torch.Tensor, enc: RoundEncoder,
+                       last: bool) -> torch.futures.Future:
+        """Encode the bucket, send every partition the buckets so far cover, return a future that
+        the stream's thread completes when the bucket's partitions are back."""
+        client = self._client
+        if step.stream is None:
+            step.stream = client.open_stream(step.scale_exp)
+            self._last_stream = step.stream
+        pmap = client.pmap
+        psize, P = pmap.partition_size, pmap.num_partitions
+        off, n = step.offset, buf.numel()
+        step.offset += n
+        sent = enc.encode(buf, step.scale_exp)
+        step.entries += len(sent)
+        idx = np.concatenate([step.carry_idx, (sent.indices.astype(np.int64) + off).astype(np.uint32)])
+        q = np.concatenate([step.carry_q, sent.values])
+        upto = P if last else (off + n) // psize
+        cut = int(np.searchsorted(idx, upto * psize)) if not last else len(idx)
+        step.stream.send(idx[:cut], q[:cut], upto)
+        step.carry_idx, step.carry_q = idx[cut:], q[cut:]
+        lo, hi = off // psize, (P if last else -(-(off + n) // psize))
+        fut: torch.futures.Future = torch.futures.Future()
+        s, max_abs = step.scale_exp, step.max_abs
+
+        def done(cf):
+            try:
+                ridx, sums = cf.result()
+                a, b = np.searchsorted(ridx, [off, off + n])
+                self._deliver(enc, sent, buf, ridx[a:b].astype(np.int64) - off, sums[a:b], s, max_abs)
+            except BaseException as e:  # noqa: BLE001 - DDP re-raises it from the future
                 fut.set_exception(e)
-            raise
-        for _, buf, fut in pending:
+                return
             fut.set_result(buf)
 
+        step.stream.wait_for(lo, hi).add_done_callback(done)
+        return fut
 
-def carry_over(old_layouts: dict, old_arrays: dict, layout: tuple, numel: int) -> np.ndarray:
-    """A per-bucket array (residual or velocity) for a bucket of ``layout`` (a tuple of
+    def _run_parked(self, step: _Step) -> None:
+        """One blocking round over every parked bucket (the same encoders), completing their futures."""
+        parked, step.parked = step.parked, []
+        try:
+            encs, sents, offs = [], [], []
+            off = 0
+            for i, buf, _ in parked:
+                enc = self._encoders[i]
+                sent = enc.encode(buf, step.scale_exp)
+                encs.append(enc)
+                sents.append(sent)
+                offs.append(off)
+                off += buf.numel()
+            idx = np.concatenate([(e.indices.astype(np.int64) + o).astype(np.uint32)
+                                  for e, o in zip(sents, offs)]) if parked else np.zeros(0, np.uint32)
+            q = np.concatenate([e.values for e in sents]) if parked else np.zeros(0, np.int32)
+            step.entries += len(idx)
+            t1 = time.perf_counter()
+            ridx, sums = self._client.allreduce_sparse(idx, q, step.scale_exp)
+            self.stats.allreduce_seconds += time.perf_counter() - t1
+            ridx = np.asarray(ridx, np.int64)
+            if ridx.size and (ridx.min() < 0 or ridx.max() >= off):
+                raise ValueError(f"dosa result has indices outside [0, {off})")
+            for (i, buf, _), enc, sent, o in zip(parked, encs, sents, offs):
+                a, b = np.searchsorted(ridx, [o, o + buf.numel()])
+                self._deliver(enc, sent, buf, ridx[a:b] - o, np.asarray(sums)[a:b], step.scale_exp,
+                              step.max_abs)
+        except BaseException as e:
+            for _, _, fut in parked:
+                fut.set_exception(e)
+            raise
+        for _, buf, fut in parked:
+            fut.set_result(buf)
+
+    def _end_step(self, step: _Step, numel: int) -> None:
+        st = self.stats
+        st.dosa_rounds += 1
+        st.overlapped_rounds += step.stream is not None
+        st.numel = numel
+        st.buckets_per_step = step.buckets
+        st.entries_sent += step.entries
+        st.densities.append(step.entries / numel if numel else 0.0)
+        st.hook_seconds += step.hook_seconds
+        st.hook_seconds_per_step.append(step.hook_seconds)
+        self._last_max_abs = step.max_abs
+        self._step = None
+        self.refresh_counters()
+
+    def refresh_counters(self) -> None:
+        """Copy the client's traffic counters into ``stats`` (the last step's are complete once
+        DDP has waited for its futures; ``close`` refreshes them too)."""
+        if self._client is not None:
+            for key, val in hook_codec.client_counters(self._client).items():
+                setattr(self.stats, key, val - self._client_base.get(key, 0))
+
+
+def carry_over(old_layouts: dict, old_arrays: dict, layout: tuple, numel: int) -> torch.Tensor:
+    """A per-bucket float32 tensor (residual or velocity) for a bucket of ``layout`` (a tuple of
     (data_ptr, shape) per parameter, in bucket order, which is the buffer order), filled from the
-    arrays of the old buckets that held the same parameters; zeros where a parameter is new."""
-    where = {}
+    arrays (tensors or numpy) of the old buckets that held the same parameters; zeros where a
+    parameter is new. On the old arrays' device (CPU when there are none)."""
+    where, device = {}, "cpu"
     for b, lay in old_layouts.items():
         arr = old_arrays.get(b)
         if arr is None:
             continue
+        arr = torch.as_tensor(arr)
+        device = arr.device
         off = 0
         for key in lay:
             n = math.prod(key[1])
             where[key] = (arr, off, n)
             off += n
-    out = np.zeros(numel, dtype=np.float32)
+    out = torch.zeros(numel, dtype=torch.float32, device=device)
     off = 0
     for key in layout:
         n = math.prod(key[1])
@@ -370,13 +501,14 @@ def _dense_allreduce(state: DosaHookState, bucket: dist.GradBucket) -> torch.fut
 def dosa_hook(state: DosaHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the gradients through a dosa sparse allreduce.
 
-    Buckets of a step are parked until the last one (``bucket.is_last()``) arrives; then one dosa
-    round reduces all of them and their futures complete together (DDP waits for all futures only at
-    the end of backward, so parking costs no overlap that a blocking round could have had).
+    With ``state.overlap`` each bucket is encoded and its complete partitions sent right away, and
+    its future completes when those partitions are back; otherwise buckets are parked until the
+    last one (``bucket.is_last()``) and one blocking round reduces all of them.
 
     Args:
         state: the :class:`DosaHookState` (shared by all buckets of the model).
-        bucket: the gradient bucket DDP hands over (a flat float32 buffer of several gradients).
+        bucket: the gradient bucket DDP hands over (a flat buffer of several gradients, any float
+            dtype, on any device).
 
     Returns:
         A future whose value is ``bucket.buffer()`` holding the averaged gradient.
@@ -385,32 +517,51 @@ def dosa_hook(state: DosaHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         >>> # xdoctest: +SKIP
         >>> ddp_model.register_comm_hook(DosaHookState(density=0.01), dosa_hook)
     """
+    t0 = time.perf_counter()
     state._log_config_once()
     buf = bucket.buffer()
-    if buf.dtype != torch.float32:
-        raise TypeError(f"dosa_hook handles float32 gradients, got {buf.dtype}")
+    if not buf.is_floating_point():
+        raise TypeError(f"dosa_hook handles floating-point gradients, got {buf.dtype}")
     last = bucket.is_last()
     if state.stats.steps < state.dense_warmup_steps or state._use_fallback:
         if last:
             state.stats.steps += 1
             state.stats.dense_steps += 1
         return _dense_allreduce(state, bucket)
-    state._residual_for(bucket, buf.numel())
-    fut: torch.futures.Future = torch.futures.Future()
-    state._pending.append((bucket.index(), buf, fut))
+    step = state._step or state._begin_step()
+    step.buckets += 1
+    enc = state._encoder_for(bucket, buf)
+    if state._client_ready and state.overlap and hasattr(state._client, "open_stream"):
+        fut = state._stream_bucket(step, bucket, buf, enc, last)
+        if last:
+            state.stats.steps += 1
+            step.hook_seconds += time.perf_counter() - t0
+            state._end_step(step, step.offset)
+        else:
+            step.hook_seconds += time.perf_counter() - t0
+        return fut
+    fut = torch.futures.Future()
+    step.parked.append((bucket.index(), buf, fut))
     if not last:
+        step.hook_seconds += time.perf_counter() - t0
         return fut
     state.stats.steps += 1
+    numel = sum(b.numel() for _, b, _ in step.parked)
     # Every bucket of the step is parked now, so the job's size is known and no collective of
     # this step is in flight: the moment to create the client and agree on it across ranks.
-    state._ensure_client(sum(b.numel() for _, b, _ in state._pending))
+    state._ensure_client(numel)
     if state._use_fallback:
         state.stats.dense_steps += 1
-        pending, state._pending = state._pending, []
-        for _, pbuf, pfut in pending:
+        parked, step.parked = step.parked, []
+        state._step = None
+        for _, pbuf, pfut in parked:
             pbuf.div_(state.world_size)
             work = dist.all_reduce(pbuf, group=state.group, async_op=True)
             work.get_future().then(lambda f, pfut=pfut, pbuf=pbuf: pfut.set_result(pbuf))
         return fut
-    state._run_round()
+    if step.scale_exp is None:
+        step.scale_exp = state._scale_exp
+    state._run_parked(step)
+    step.hook_seconds += time.perf_counter() - t0
+    state._end_step(step, numel)
     return fut

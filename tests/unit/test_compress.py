@@ -9,7 +9,7 @@ from hypothesis.extra.numpy import arrays
 from dosa import wire
 from host_lib._select import add_select_abs_ge, select_abs_ge
 from host_lib.compress import (
-    FastStats, NoneCompressor, TopKCompressor, select_topk, target_k, topk_exact, topk_fast,
+    FastStats, select_topk, target_k, topk_exact, topk_fast,
 )
 from host_lib.encoder import RoundEncoder
 from host_lib.packetizer import packetize, parse_batch
@@ -120,45 +120,36 @@ def test_fast_never_selects_zeros():
 def test_density_edges_and_empty(method):
     rng = np.random.default_rng(1)
     g = rng.standard_normal(100_000).astype(np.float32)
-    c = TopKCompressor(0.0, method=method)
-    (idx, vals), ctx = c.compress(g)
-    assert len(idx) == 0
-    np.testing.assert_array_equal(c.residual, g)  # everything stays in the residual
-    c = TopKCompressor(1.0, method=method)
-    (idx, vals), ctx = c.compress(g)
-    np.testing.assert_array_equal(idx, np.arange(len(g)))
-    assert not c.residual.any()
-    np.testing.assert_array_equal(c.decompress((idx, vals), ctx), g)
-    (idx, vals), ctx = TopKCompressor(0.5, method=method).compress(np.zeros((0, 3), np.float32))
-    assert len(idx) == 0 and ctx.shape == (0, 3)
-    assert TopKCompressor(0.5).decompress((idx, vals), ctx).shape == (0, 3)
+    enc = RoundEncoder(len(g), 0.0, 1, method=method)
+    assert len(enc.encode(g, 20)) == 0
+    np.testing.assert_array_equal(enc.residual, g)  # everything stays in the residual
+    enc = RoundEncoder(len(g), 1.0, 1, method=method)
+    er = enc.encode(g, 20)
+    np.testing.assert_array_equal(er.indices, np.flatnonzero(np.rint(g * 2.0**20)))
+    back = enc.residual.astype(np.float64)
+    back[er.indices] += np.ldexp(er.values.astype(np.float64), -20)
+    np.testing.assert_array_equal(back, g.astype(np.float64))
 
 
 @pytest.mark.parametrize("method", ["exact", "fast"])
 def test_error_feedback_conserves_the_gradient_sum(method):
     rng = np.random.default_rng(2)
-    c = TopKCompressor(0.01, method=method, seed=3)
-    shape = (300, 500)
-    sent = np.zeros(np.prod(shape), np.float64)
-    total = np.zeros(np.prod(shape), np.float64)
+    n = 150_000
+    enc = RoundEncoder(n, 0.01, 4, method=method, seed=3)
+    sent = np.zeros(n, np.float64)
+    total = np.zeros(n, np.float64)
     for _ in range(5):
-        g = realistic_gradient(rng, np.prod(shape)).reshape(shape)
-        total += g.reshape(-1)
-        payload, ctx = c.compress(g)
-        out = c.decompress(payload, ctx)
-        assert out.shape == shape and out.dtype == np.float32
-        sent += out.reshape(-1)
+        g = realistic_gradient(rng, n)
+        total += g
+        er = enc.encode(g, 24)
+        sent[er.indices] += np.ldexp(er.values.astype(np.float64), -24)
     # float32 residual: each round rounds r + g once; the error stays at float32 epsilon scale
-    np.testing.assert_allclose(sent + c.residual, total, rtol=1e-5, atol=1e-6 * np.abs(total).max())
-    c2 = TopKCompressor(0.01, method=method, error_feedback=False)
-    c2.compress(g)
-    assert c2.residual is None
+    np.testing.assert_allclose(sent + enc.residual, total, rtol=1e-5, atol=1e-6 * np.abs(total).max())
 
 
-def test_none_compressor_is_identity():
-    x = np.arange(6.0).reshape(2, 3)
-    p, ctx = NoneCompressor().compress(x)
-    assert NoneCompressor().decompress(p, ctx) is x
+def test_one_k_rule():
+    assert [target_k(n, d) for n, d in [(0, 0.5), (10, 0.0), (10, 0.01), (1000, 0.0125), (7, 1.0)]] \
+        == [0, 0, 1, 12, 7]
 
 
 def test_select_topk_rejects_bad_method():

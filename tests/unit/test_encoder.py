@@ -1,0 +1,95 @@
+"""host_lib.encoder.RoundEncoder on torch tensors: the torch selector (what runs on CUDA; run here on
+CPU, no GPU on this machine) against the numpy/Cython one, fp16/bf16 gradients with a float32
+residual, DGC momentum correction, gtopk fold-back."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from host_lib.compress import target_k
+from host_lib.encoder import RoundEncoder
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _conserved(enc, before: np.ndarray, er, scale: int) -> np.ndarray:
+    """residual + what was sent, float64."""
+    back = enc.residual.astype(np.float64)
+    back[er.indices] += np.ldexp(er.values.astype(np.float64), -scale)
+    return back
+
+
+@pytest.mark.parametrize("method", ["exact", "fast"])
+def test_torch_backend_selects_what_the_numpy_backend_selects(method):
+    rng = np.random.default_rng(0)
+    n = 200_000
+    g = (rng.standard_t(3, n) * 1e-3).astype(np.float32)
+    a = RoundEncoder(n, 0.01, 4, method, backend="numpy")
+    b = RoundEncoder(n, 0.01, 4, method, backend="torch")
+    ea, eb = a.encode(g, 24), b.encode(torch.from_numpy(g.copy()), 24)
+    k = target_k(n, 0.01)
+    if method == "exact":
+        np.testing.assert_array_equal(ea.indices, eb.indices)
+        np.testing.assert_array_equal(ea.values, eb.values)
+    else:  # both are "every entry above a sampled threshold", within 20% of k
+        for e in (ea, eb):
+            assert 0.8 * k <= len(e) <= 1.2 * k
+        common = np.intersect1d(ea.indices, eb.indices).size
+        assert common >= 0.75 * min(len(ea), len(eb))
+    for enc, e in ((a, ea), (b, eb)):
+        np.testing.assert_array_equal(_conserved(enc, g, e, 24), g.astype(np.float64))
+        assert np.all(np.diff(e.indices.astype(np.int64)) > 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_half_precision_gradients_keep_a_float32_residual(dtype, backend):
+    torch.manual_seed(1)
+    g = (torch.randn(70_000) * 1e-2).to(dtype)
+    enc = RoundEncoder(g.numel(), 0.02, 2, "fast", backend=backend)
+    er = enc.encode(g, 20)
+    assert enc.r.dtype == torch.float32 and len(er) > 0
+    # nothing lost: residual + sent == the gradient's exact float32 value
+    np.testing.assert_array_equal(_conserved(enc, None, er, 20), g.float().numpy().astype(np.float64))
+    er2 = enc.encode(g, 20)  # the residual carries fp32 precision a half gradient cannot hold
+    assert len(er2) > 0 and np.isfinite(enc.residual).all()
+
+
+def test_momentum_correction_sparsifies_the_velocity_and_masks_what_was_sent():
+    g = np.zeros(10, np.float32)
+    g[[2, 7]] = [1.0, 0.5]
+    enc = RoundEncoder(10, 0.1, 1, "exact", momentum=0.9)  # k = 1
+    er = enc.encode(g, 10)
+    assert er.indices.tolist() == [2]
+    assert enc.u[2] == 0 and enc.u[7] == pytest.approx(0.5)  # masking: the sent entry's past is gone
+    er = enc.encode(g, 10)  # u = 0.9*u + g: index 7 has 0.95 velocity + 0.5 residual
+    assert er.indices.tolist() == [7]
+    assert enc.residual[2] == pytest.approx(1.0)  # what index 2 got this time waits in the residual
+
+
+def test_gtopk_fold_back_restores_exactly_what_the_dpu_dropped():
+    rng = np.random.default_rng(3)
+    g = rng.standard_normal(1000).astype(np.float32)
+    for backend in ("numpy", "torch"):
+        enc = RoundEncoder(1000, 0.05, 2, "exact", backend=backend)
+        er = enc.encode(g, 16)
+        before = enc.residual.copy()
+        applied = er.indices[::2]
+        idx, q = enc.unapplied(er, applied)
+        enc.fold_back(idx, q, 16)
+        np.testing.assert_array_equal(enc.residual[applied], before[applied])
+        np.testing.assert_allclose(enc.residual[idx], before[idx] + q * 2.0**-16)
+
+
+def test_bad_gradients_are_refused_in_one_sentence():
+    enc = RoundEncoder(4, 0.5, 2, backend="torch")
+    with pytest.raises(ValueError, match="non-finite .* first at index 1"):
+        enc.encode(torch.tensor([0.0, float("nan"), 1.0, 2.0]), 0)
+    assert torch.isfinite(enc.r).all()
+    with pytest.raises(ValueError, match="floating-point"):
+        enc.encode(torch.arange(4), 0)
+    with pytest.raises(ValueError, match="5 entries, the encoder was made for 4"):
+        enc.encode(torch.zeros(5), 0)
+    with pytest.raises(ValueError, match="numpy backend runs on the CPU only"):
+        RoundEncoder(4, 0.5, 2, device="meta", backend="numpy")
