@@ -119,6 +119,16 @@ class AggregationClient:
         self.retransmissions = 0
         self._rng = np.random.default_rng() if shuffle_sends else None
         self.last_missing: dict[int, list[int]] = {}
+        #: CPU seconds (this thread's, user + sys) spent per phase of the rounds, summed over rounds:
+        #: packetize, send, receive (the recv system calls), absorb (header checks, bookkeeping),
+        #: retransmit, decode. The benchmark's phase breakdown reads it.
+        self.phase_cpu: dict[str, float] = {}
+
+    def _phase(self, name: str, t0: float) -> float:
+        """Add this thread's CPU time since ``t0`` to ``phase_cpu[name]``; returns the time now."""
+        t = time.thread_time()
+        self.phase_cpu[name] = self.phase_cpu.get(name, 0.0) + t - t0
+        return t
 
     # ------------------------------------------------------------------ public API
     @classmethod
@@ -197,11 +207,13 @@ class AggregationClient:
         if len(values) and np.abs(values.astype(np.int64)).max() > clip_bound(self.job.workers):
             raise DosaError(f"values exceed the clip bound {clip_bound(self.job.workers)} for "
                             f"{self.job.workers} workers: the DPU's sum could overflow s32")
+        t0 = time.thread_time()
         try:
             batch = packetize(indices, values, self.pmap, job_id=self.job.job_id,
                               worker_id=self.worker_id, round=self.round, scale_exp=int(scale_exp))
         except ValueError as e:
             raise DosaError(f"cannot packetize round {self.round}: {e}") from None
+        self._phase("packetize", t0)
         out = _Round(self, batch, int(scale_exp)).run()
         self.round += 1
         return out
@@ -261,17 +273,24 @@ class _Round:
     def run(self) -> tuple[np.ndarray, np.ndarray]:
         c = self.c
         last_progress = time.monotonic()
+        t = time.thread_time()
         while not self.done.all():
             self._fill_window()
+            t = c._phase("send", t)
             b, sip, _ = c.ep.recv(min(c.retx_interval / 2, 0.02))
+            t = c._phase("receive", t)
             if len(b) and self._absorb(b, sip):
                 last_progress = time.monotonic()
+            t = c._phase("absorb", t)
             now = time.monotonic()
             if now - last_progress > c.timeout:
                 self._fail()
             self._retransmit(now, last_progress)
+            t = c._phase("retransmit", t)
         c.last_missing = {}
-        return self._decode()
+        out = self._decode()
+        c._phase("decode", t)
+        return out
 
     def _decode(self) -> tuple[np.ndarray, np.ndarray]:
         """The round's result entries, from the raw packets kept by _absorb, sorted by index."""

@@ -200,15 +200,19 @@ def _worker(args) -> int:
             out_np[rows[r]] += a[r, kmax:kmax + c[r]].view(np.float32)
         touched["rows"] = rows
 
+    cpu: dict[str, list[float]] = {}  # CPU seconds (user + sys, all threads) of the last timed()
+
     def timed(fn, before=None) -> list[float]:
-        times = []
+        times, cpu["last"] = [], []
         for i in range(args.warmup + args.rounds):
             if before:
                 before()
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times.append(time.perf_counter() - t0)
+            cpu["last"].append(time.process_time() - c0)
+        cpu["last"] = cpu["last"][args.warmup:]
         return times[args.warmup:]
 
     for m in args.methods:
@@ -217,6 +221,7 @@ def _worker(args) -> int:
             def dense():
                 dist.all_reduce(out_t)
             rec["transport"] = timed(dense, before=lambda: np.copyto(out_np, g))
+            rec["cpu_transport"] = rec["cpu_end_to_end"] = cpu["last"]
             say(f"  gloo_dense: median {np.median(rec['transport']):.4f} s")
             rec["check"] = _check(out_np, np.load(d / "ref_dense.npy", mmap_mode="r"),
                                   np.load(d / "abs_dense.npy", mmap_mode="r"), world)
@@ -224,6 +229,7 @@ def _worker(args) -> int:
         elif m == "gloo_sparse_allgather":
             touched["rows"] = None  # another method may have left the buffer dense
             rec["transport"] = timed(lambda: sparse_sum(idx0, val0))
+            rec["cpu_transport"] = cpu["last"]
             say(f"  gloo_sparse_allgather transport: median {np.median(rec['transport']):.4f} s")
             ref_s = np.load(d / "ref_sparse.npy", mmap_mode="r")
             abs_s = np.load(d / "abs_sparse.npy", mmap_mode="r")
@@ -235,6 +241,7 @@ def _worker(args) -> int:
                 sel["idx"] = i
                 sparse_sum(i, g[i])
             rec["end_to_end"] = timed(e2e)
+            rec["cpu_end_to_end"] = cpu["last"]
             say(f"  gloo_sparse_allgather end to end: median {np.median(rec['end_to_end']):.4f} s")
             # check against the sum of what every host selected in the last round (files, not Gloo)
             np.save(d / f"sel{rank}.npy", sel["idx"])
@@ -369,6 +376,12 @@ def run_baselines(workdir, methods=METHODS, rounds: int = 5, warmup: int = 1, te
                 worst = max(cs, key=lambda c: -1 if c["max_err_over_tol"] != c["max_err_over_tol"]
                             else c["max_err_over_tol"])
                 rec[ck] = {**worst, "ok": all(c["ok"] for c in cs), "ranks_checked": world}
+        # CPU seconds (user + sys, the rank process's own accounting) per round, one per rank:
+        # the median over the timed rounds of the transport phase, and of the end-to-end phase
+        rec["host_cpu_s_per_round"] = [float(np.median(pr["methods"][m]["cpu_transport"]))
+                                       for pr in per_rank]
+        rec["host_cpu_s_per_round_end_to_end"] = [float(np.median(pr["methods"][m]["cpu_end_to_end"]))
+                                                  for pr in per_rank]
         rec["bytes_per_host"] = bytes_per_host(m, world, meta["numel"], counts)
         rec["selector"] = per_rank[0]["selector"] if m != "gloo_dense" else None
         rec["median_s"] = rec["transport"]["median_s"]

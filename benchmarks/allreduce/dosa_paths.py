@@ -117,6 +117,49 @@ def _check(mode: str, ridx, sums, ref_idx, ref_sum, job) -> bool:
     return bool(np.all(hi_out <= lo_in))
 
 
+def _proc_cpu_s(pids) -> float:
+    """User + system CPU seconds of processes/threads ``pids`` and all their descendants, from the
+    kernel's own accounting (the scheduler's run time, /proc/<pid>/task/*/schedstat). A DPU's share: its control plane and
+    worker processes and, in XDP mode, the threaded-NAPI kernel threads that run its XDP merge."""
+    pids = {int(p) for p in pids}
+    if not pids:
+        return 0.0
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    todo, seen = list(pids), set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        todo += [c for c, pp in parent.items() if pp == p]
+    # the scheduler's run time of every thread (ns; utime + stime in /proc/<pid>/stat would say the
+    # same in 10 ms ticks, too coarse for a round)
+    tot = 0
+    for p in seen:
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/schedstat") as f:
+                    tot += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                pass
+    return tot / 1e9
+
+
+def _dpu_pids() -> list[int]:
+    return [int(x) for x in os.environ.get("DOSA_BENCH_DPU_PIDS", "").split(",") if x.strip()]
+
+
 def _save_atomic(path: Path, **arrays) -> None:
     """np.savez to ``path`` via a temporary name, so a reader polling for it never sees half a file."""
     tmp = path.with_name(path.name + ".tmp.npz")
@@ -157,6 +200,8 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
     out = np.zeros(c.job.numel, np.float32)
     touched = None
     times, cpu, sent_n, kept = [], [], [], []
+    phases: dict[str, float] = {}  # CPU s of this thread per phase, summed over the timed rounds
+    dpu0 = None
     dense_ok = True
     (e2e_dir / f"start{rank}").touch()
     _wait_files([e2e_dir / f"start{w}" for w in range(workers)], "its start mark")
@@ -166,13 +211,21 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
         if r:
             _wait_files([e2e_dir / f"sent{w}_{r - 1}.npz" for w in range(workers)],
                         f"its round-{r - 1} entries")
+        if r == warmup:  # the phases and the DPU's CPU of the timed rounds only
+            c.phase_cpu.clear()
+            phases.clear()
+            dpu0 = _proc_cpu_s(_dpu_pids()) if rank == 0 else None
         t0, c0 = time.perf_counter(), time.process_time()
+        th = time.thread_time()
         e = enc.encode(g, scale)
         nz = e.values != 0  # a zero after quantization is not sent (its remainder is in the residual)
         idx, q = e.indices[nz], e.values[nz]
+        th = _tick(phases, "select+error feedback+quantize", th)
         ridx, sums = c.allreduce_sparse(idx, q, scale)
+        th = time.thread_time()
         if mode == "gtopk":
             enc.fold_back(*enc.unapplied(type(e)(idx, q, scale), ridx), scale)
+            th = _tick(phases, "fold back", th)
         vals = dequantize(sums, scale)
         if touched is None:
             out[:] = 0
@@ -180,6 +233,7 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
             out[touched] = 0
         out[ridx] = vals
         touched = ridx
+        _tick(phases, "dense output", th)
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         dense_ok &= bool(np.count_nonzero(out) == np.count_nonzero(vals)
                          and np.array_equal(out[ridx], vals))
@@ -194,6 +248,10 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
             sent_n.append(len(idx))
     rec["e2e_round_s"] = times
     rec["e2e_cpu_s"] = cpu
+    phases.update(c.phase_cpu)
+    rec["e2e_phases_cpu_s"] = {k: v / max(1, rounds) for k, v in phases.items()}
+    if dpu0 is not None:
+        rec["e2e_dpu_cpu_s"] = (_proc_cpu_s(_dpu_pids()) - dpu0) / max(1, rounds)
     rec["e2e_entries_sent"] = sent_n
     rec["e2e_dense_ok"] = dense_ok
     if rank != 0:
@@ -212,6 +270,12 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
         wrong += 0 if ok else workers
     rec["e2e_rounds_checked"] = checked
     rec["e2e_rounds_wrong"] = wrong
+
+
+def _tick(acc: dict, name: str, t0: float) -> float:
+    t = time.thread_time()
+    acc[name] = acc.get(name, 0.0) + t - t0
+    return t
 
 
 def host_main(argv=None) -> int:
@@ -252,7 +316,13 @@ def host_main(argv=None) -> int:
 
                 prof = cProfile.Profile(time.process_time)
                 prof.enable()
+            dpu0 = None
             for r in range(a.warmup + a.rounds):
+                if r == a.warmup:
+                    c.phase_cpu.clear()
+                    sc0 = (c.ep.send_calls, c.ep.send_datagrams, c.ep.recv_calls,
+                           c.ep.recv_datagrams, c.ep.sent_packets, c.ep.recv_packets)
+                    dpu0 = _proc_cpu_s(_dpu_pids()) if rank == 0 else None
                 s0, r0, x0 = c.ep.sent_bytes, c.ep.recv_bytes, c.retransmissions
                 t0, c0, o0 = time.perf_counter(), time.process_time(), os.times()
                 ridx, sums = c.allreduce_sparse(idx, q, scale)
@@ -267,6 +337,16 @@ def host_main(argv=None) -> int:
                     rec["sent"].append(c.ep.sent_bytes - s0)
                     rec["received"].append(c.ep.recv_bytes - r0)
                     rec["retx_per_round"].append(c.retransmissions - x0)
+            if dpu0 is not None:
+                rec["dpu_cpu_s"] = (_proc_cpu_s(_dpu_pids()) - dpu0) / max(1, a.rounds)
+            rec["phases_cpu_s"] = {k: v / max(1, a.rounds) for k, v in c.phase_cpu.items()}
+            sc1 = (c.ep.send_calls, c.ep.send_datagrams, c.ep.recv_calls, c.ep.recv_datagrams,
+                   c.ep.sent_packets, c.ep.recv_packets)
+            rec["socket_per_round"] = {
+                k: (y - x) / max(1, a.rounds) for k, x, y in zip(
+                    ("send_calls", "send_datagrams", "recv_calls", "recv_datagrams",
+                     "sent_packets", "recv_packets"), sc0, sc1)}
+            rec["gso"], rec["gro"] = c.ep.gso_segs > 1, c.ep.gro
             if prof is not None:
                 prof.disable()
                 prof.dump_stats(os.path.join(os.environ["DOSA_BENCH_PROFILE"], f"rank{rank}.prof"))
@@ -326,6 +406,12 @@ def _cpu_use(a: dict, b: dict, seconds: float) -> dict:
     return out
 
 
+def _mean_phases(dicts: list[dict]) -> dict:
+    """{phase: mean over ranks} of per-rank {phase: value} dicts."""
+    keys = sorted({k for d in dicts for k in d})
+    return {k: float(np.mean([d.get(k, 0.0) for d in dicts])) for k in keys}
+
+
 def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> dict:
     """Run one dosa path (``xdp`` or ``userspace``) on its own testbed, shaped like the baselines'
     (``args.link_rate`` on the host links, ``cpu_split``: hosts on one core, the DPU on the other),
@@ -360,9 +446,13 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
         for opt in ("retx_interval", "window"):
             if getattr(args, opt, None) is not None:
                 argv += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
+        st = tb.status()
+        dpu_pids = [p["pid"] for p in st.get("processes", [])
+                    if p.get("node", "").startswith("d") or "dpu" in p.get("name", "")] + list(napi)
         cpu0 = _cpu_times()
         t_run = time.monotonic()
-        run = tb.run(argv, timeout=args.timeout, echo=False, log_dir=res_dir / "logs")
+        run = tb.run(argv, timeout=args.timeout, echo=False, log_dir=res_dir / "logs",
+                     env={"DOSA_BENCH_DPU_PIDS": ",".join(map(str, dpu_pids))})
         cpu_use = _cpu_use(cpu0, _cpu_times(), time.monotonic() - t_run)
         if run.timed_out:
             raise DosaError(f"{path} path: hosts did not finish in {args.timeout} s "
@@ -397,6 +487,8 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
             "entries_sent_per_host_end_to_end": int(statistics.median(
                 [statistics.median(r["e2e_entries_sent"]) for r in ranks])),
             "host_cpu_s_per_round_end_to_end": [float(statistics.median(r["e2e_cpu_s"])) for r in ranks],
+            "phases_cpu_s_per_round": _mean_phases([r.get("e2e_phases_cpu_s", {}) for r in ranks]),
+            "dpu_cpu_s_per_round_end_to_end": ranks[0].get("e2e_dpu_cpu_s"),
         }
     return {
         **e2e,
@@ -418,6 +510,12 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
         "testbed_up_s": up_s,
         "dpu_napi_threads_pinned": len(napi),
         "host_cpu_s_per_round": [float(statistics.median(r["cpu_s"])) for r in ranks],
+        "dpu_cpu_s_per_round": [ranks[0]["dpu_cpu_s"]] if "dpu_cpu_s" in ranks[0] else None,
+        "dpu_cpu_note": "user+sys of the DPU's ctl and worker processes and (XDP) its threaded-NAPI "
+                        "threads over the timed transport rounds, per round",
+        "phases_cpu_s_per_round_transport": _mean_phases([r.get("phases_cpu_s", {}) for r in ranks]),
+        "socket_per_round_per_host": _mean_phases([r.get("socket_per_round", {}) for r in ranks]),
+        "gso": all(r.get("gso") for r in ranks), "gro": all(r.get("gro") for r in ranks),
         "host_cpu_sys_s_per_round": [float(statistics.median(r["cpu_sys_s"])) for r in ranks],
         "machine_cpu_during_run": cpu_use,
     }

@@ -121,6 +121,14 @@ def _check_str(rec: dict) -> str:
     return "ok" if all(c.get("ok") for c in cs) else "WRONG"
 
 
+def _cpu(rec: dict, key: str) -> str:
+    """Mean over ranks of a per-rank CPU list (seconds per round), in ms; '-' if absent."""
+    v = rec.get(key)
+    if not isinstance(v, list) or not v:
+        return "-"
+    return f"{sum(v) / len(v) * 1e3:.1f} ms"
+
+
 def table(doc: dict) -> str:
     """A plain-text table per host count: times, ratios to dosa_xdp, bytes per host, check."""
     lines = []
@@ -133,7 +141,8 @@ def table(doc: dict) -> str:
                      f"union/(W*k) {ov['union_over_total']:.3f}")
         lines.append(head)
         cols = ["method", "transport median", "[min, max]", "x dosa_xdp", "end-to-end median",
-                "x dosa_xdp", "sent/host", "recv/host", "check"]
+                "x dosa_xdp", "host CPU/round", "e2e host CPU", "DPU CPU/round", "sent/host",
+                "recv/host", "check"]
         rows = []
         for name in ordered(ms):
             rec = ms[name]
@@ -145,11 +154,17 @@ def table(doc: dict) -> str:
                 f"{ratio['transport']:.2f}" if "transport" in ratio else "-",
                 _fmt_s(stat(rec, "end_to_end")),
                 f"{ratio['end_to_end']:.2f}" if "end_to_end" in ratio else "-",
-                _fmt_b(bph.get("sent")), _fmt_b(bph.get("received")), _check_str(rec)])
+                _cpu(rec, "host_cpu_s_per_round"), _cpu(rec, "host_cpu_s_per_round_end_to_end"),
+                _cpu(rec, "dpu_cpu_s_per_round"), _fmt_b(bph.get("sent")), _fmt_b(bph.get("received")), _check_str(rec)])
         widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
         lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
         lines.append("  ".join("-" * w for w in widths))
         lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+        for name in ordered(ms):
+            ph = ms[name].get("phases_cpu_s_per_round")
+            if isinstance(ph, dict) and ph:
+                lines.append(f"{name} host CPU per round by phase (mean over ranks): " + ", ".join(
+                    f"{k} {v * 1e3:.1f} ms" for k, v in ph.items()))
         lim = ms.get("limit")
         if isinstance(lim, dict) and "link_s" in lim:
             pps = lim.get("packet_rate_pps")
