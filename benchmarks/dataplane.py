@@ -133,7 +133,8 @@ def run(workers: int = 8, numel: int = 1 << 22, density: float = 0.05, rounds: i
     from control.netns import run_in_netns
     from dataplane import loader
     from dataplane.loader import LoadConfig
-    from host_lib.transport import UdpEndpoint, addr_arrays
+    from host_lib.transport import UdpEndpoint
+    from dosa.net import addr_arrays
 
     loader.require_root("dosa bench dataplane")
     if not 1 <= workers <= wire.MAX_WORKERS or rounds < 1 or senders < 1 or not 0 < density <= 1:

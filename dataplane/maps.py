@@ -34,7 +34,7 @@ from . import layout, libbpf, loader, reasons
 
 MODE_SUM = 0  # exact sums of every index any worker sent
 MODE_GTOPK = 1  # results carry only the k largest sums (the DPU worker applies it)
-MODES = {"sum": MODE_SUM, "gtopk": MODE_GTOPK}  # names as in host_lib.transport.JobConfig.mode
+MODES = {"sum": MODE_SUM, "gtopk": MODE_GTOPK}  # names as in dosa.job.JobConfig.mode
 
 
 @dataclass(frozen=True)

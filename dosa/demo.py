@@ -152,7 +152,7 @@ class LoopbackCluster:
     def __init__(self, hosts: int, dpus: int, numel: int, workdir: str | os.PathLike,
                  density: float = 0.01, job_id: int = 1, echo: Callable[[str], None] | None = print,
                  partition_size: int | None = None, mode: str = "sum"):
-        from host_lib.transport import JobConfig
+        from dosa.job import JobConfig
 
         self.hosts, self.dpus = hosts, dpus
         self.workdir = Path(workdir)
@@ -345,7 +345,7 @@ class TestbedCluster:
         st = self.tb.load_state() or {}
         out = {}
         for node in self.tb.layout(st).dpu_nodes if st else []:
-            code = ("import json; from control.api import request; "
+            code = ("import json; from dosa.join import request; "
                     f"print(json.dumps(request(('{node.address}', {int(st['control_port'])}), "
                     "'GET', '/v1/stats')))")
             try:

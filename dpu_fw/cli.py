@@ -22,7 +22,7 @@ def register(sub) -> None:
                                     "userspace mode also merges)")
     r.add_argument("--mode", choices=("xdp", "userspace"), default="xdp")
     r.add_argument("--job-config", action="append", default=[], metavar="FILE",
-                   help="a job's JSON config (host_lib.transport.JobConfig); repeatable")
+                   help="a job's JSON config (dosa.job.JobConfig); repeatable")
     r.add_argument("--dpu-index", type=int, default=None,
                    help="this DPU's index in the jobs' DPU list (default: found from --addr)")
     r.add_argument("--addr", help="IPv4 address to listen on (default: the job config's)")
@@ -44,7 +44,7 @@ def register(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    from host_lib.transport import JobConfig
+    from dosa.job import JobConfig
 
     from .worker import DpuWorker, install_signal_handlers
 
@@ -132,9 +132,9 @@ def cmd_run(args) -> int:
 def _control_discovery(control, bind):
     """Jobs the control plane knows whose every worker has joined. This DPU's index in a job is its
     position in the job's DPU list (matched by address): DpuWorker.add_job checks it per job."""
-    from control.api import request
+    from dosa.join import request
 
-    from host_lib.transport import JobConfig
+    from dosa.job import JobConfig
 
     log = logging.getLogger("dosa.dpu")
 

@@ -26,9 +26,11 @@ import numpy as np
 
 from dosa import wire
 from dosa.errors import DosaError
+from dosa.job import JobConfig
+from dosa.net import addr_arrays, multicast_group
 from dosa.wire import HEADER_DTYPE, Flags, PacketBatch, PacketType
 from host_lib.packetizer import packetize_partition_result, packetize_results, parse_batch
-from host_lib.transport import JobConfig, UdpEndpoint, addr_arrays, multicast_group
+from host_lib.transport import UdpEndpoint
 
 from . import _merge
 from .userspace import DUP_OF_COMPLETE, VERDICTS, MergeState, top_k_abs

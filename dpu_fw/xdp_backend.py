@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from dosa.errors import DosaError
-from host_lib.transport import JobConfig
+from dosa.job import JobConfig
 
 
 def open_maps(instance: str | None):

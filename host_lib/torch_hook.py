@@ -97,7 +97,7 @@ def _default_client_factory(numel: int, job_options: dict | None = None):
     env = os.environ
     if job_options and not env.get("DOSA_JOB_CONFIG") and env.get("DOSA_CONTROL_ADDR") \
             and env.get("DOSA_CONTROL_PORT"):
-        from control.api import join
+        from dosa.join import join
 
         rank = int(env.get("RANK", "0"))
         job = join((env["DOSA_CONTROL_ADDR"], int(env["DOSA_CONTROL_PORT"])), worker_id=rank,

@@ -1,7 +1,7 @@
 """UDP transport shared by hosts and DPU workers: one non-blocking socket, batched sends and receives
 of whole PacketBatches (Cython in ``host_lib/_net.pyx``: UDP GSO over sendmmsg, UDP GRO over
-recvmmsg), and the job description both ends need (:class:`JobConfig`: who the hosts and DPUs are,
-how the index space is cut).
+recvmmsg). The job both ends need is dosa.job.JobConfig; address tables and the multicast rule are
+dosa.net's.
 
 Why GSO/GRO: the host's per-datagram kernel work, not the link, bounded a round (docs/performance.md).
 With GSO one ``sendmmsg`` entry carries a run of equal-size packets to one destination (a partition's
@@ -9,26 +9,20 @@ packets, the short one last) and the kernel cuts it below the socket; with GRO o
 many segments. Support is probed once per process (``batching()``); where the kernel or the path
 refuses, the endpoint falls back to one datagram per packet with one log line. ``DOSA_GSO=0`` /
 ``DOSA_GRO=0`` turn either off (A/B runs).
-
-Addresses are kept as arrays (IPv4 and port in network order, one row per host or DPU) so a batch's
-``dest`` column maps to destinations with one numpy gather, never a Python loop per packet.
 """
 from __future__ import annotations
 
 import errno
-import json
 import logging
-import os
 import select
 import socket
 import struct
-from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from dosa import wire
+from dosa.env import switch_on
 from dosa.errors import DosaError
-from dosa.wire import PacketBatch, PartitionMap
+from dosa.wire import PacketBatch
 
 from . import _net
 
@@ -37,137 +31,6 @@ log = logging.getLogger("dosa.net")
 #: Socket buffers asked for (SO_*BUFFORCE as root, else capped by net.core.*mem_max). A round of a
 #: 25M gradient at 1% is ~1800 packets a host; results fan out 4x that from a DPU.
 DEFAULT_SOCKET_BUFFER = 64 << 20
-RESULT_MODES = ("sum", "gtopk")
-
-
-def addr_arrays(addrs) -> tuple[np.ndarray, np.ndarray]:
-    """[(ip, port), ...] -> (ip u32 holding network-order bytes, port u16 in network order)."""
-    ips = np.array([np.frombuffer(socket.inet_aton(a), np.uint32)[0] for a, _ in addrs], np.uint32)
-    ports = np.array([socket.htons(int(p)) for _, p in addrs], np.uint16)
-    return ips, ports
-
-
-@dataclass
-class JobConfig:
-    """Everything a host and a DPU worker must agree on for one job.
-
-    ``hosts[w]`` is the (ip, port) worker ``w`` sends from and receives results on; ``dpus[d]`` the
-    (ip, port) DPU ``d`` listens on. Partition p is owned by DPU ``p % len(dpus)``.
-    ``mode`` is ``sum`` (exact sums, union of indices) or ``gtopk`` (per partition only the
-    ``k = ceil(density * partition_length)`` largest |sum| come back; see docs/dpu_worker.md).
-    """
-
-    job_id: int
-    numel: int
-    hosts: list = field(default_factory=list)
-    dpus: list = field(default_factory=list)
-    partition_size: int = wire.DEFAULT_PARTITION_SIZE
-    mode: str = "sum"
-    density: float = 0.01
-    scale_exp: int = 16
-
-    def __post_init__(self):
-        self.hosts = [(str(a), int(p)) for a, p in self.hosts]
-        self.dpus = [(str(a), int(p)) for a, p in self.dpus]
-        if not 1 <= self.job_id <= 2**32 - 1:
-            raise DosaError(f"job_id {self.job_id} must lie in 1..2^32-1")
-        if not 1 <= len(self.hosts) <= wire.MAX_WORKERS:
-            raise DosaError(f"a job needs 1..{wire.MAX_WORKERS} hosts, got {len(self.hosts)}")
-        if not self.dpus:
-            raise DosaError("a job needs at least one DPU")
-        if self.mode not in RESULT_MODES:
-            raise DosaError(f"result mode must be one of {RESULT_MODES}, got {self.mode!r}")
-        if not 0 < self.density <= 1:
-            raise DosaError(f"density must lie in (0, 1], got {self.density}")
-        if not wire.SCALE_EXP_MIN <= self.scale_exp <= wire.SCALE_EXP_MAX:
-            raise DosaError(f"scale_exp {self.scale_exp} outside {wire.SCALE_EXP_MIN}..{wire.SCALE_EXP_MAX}")
-        try:
-            self.pmap  # noqa: B018 - validates numel/partition_size
-        except ValueError as e:
-            raise DosaError(str(e)) from None
-
-    @property
-    def workers(self) -> int:
-        return len(self.hosts)
-
-    @property
-    def pmap(self) -> PartitionMap:
-        return PartitionMap(self.numel, self.partition_size, len(self.dpus))
-
-    def gtopk_k(self, partition_length) -> np.ndarray | int:
-        """k of a partition in gtopk mode: ceil(density * partition_length), at least 1."""
-        return np.maximum(1, np.ceil(self.density * np.asarray(partition_length)).astype(np.int64))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "JobConfig":
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = set(d) - known
-        if unknown:
-            raise DosaError(f"job config has unknown keys {sorted(unknown)}")
-        try:
-            return cls(**d)
-        except TypeError as e:
-            raise DosaError(f"bad job config: {e}") from None
-
-    @classmethod
-    def from_view(cls, v: dict) -> "JobConfig":
-        """From the control plane's job view (control.api: ``POST /v1/join``, ``GET /v1/jobs``)."""
-        try:
-            hosts = sorted(v["hosts"], key=lambda h: h["worker_id"])
-            if [h["worker_id"] for h in hosts] != list(range(v["workers"])):
-                raise DosaError(f"job {v['job_id']} is not complete: hosts "
-                                f"{[h['worker_id'] for h in hosts]} of {v['workers']} joined")
-            dpus = sorted(v["dpus"], key=lambda d: d["index"])
-            return cls(job_id=v["job_id"], numel=v["numel"],
-                       hosts=[(h["address"], h["port"]) for h in hosts],
-                       dpus=[(d["address"], d["port"]) for d in dpus],
-                       partition_size=v["partition_size"], mode=v.get("mode", "sum"),
-                       density=v.get("density", 0.01), scale_exp=v.get("scale_exp", 16))
-        except (KeyError, TypeError) as e:
-            raise DosaError(f"the control plane's job description lacks {e}") from None
-
-    @classmethod
-    def load(cls, path: str) -> "JobConfig":
-        try:
-            with open(path) as f:
-                return cls.from_dict(json.load(f))
-        except (OSError, json.JSONDecodeError) as e:
-            raise DosaError(f"cannot read job config {path}: {e}") from None
-
-    def save(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-
-
-#: First address of the per-job result groups (administratively scoped, RFC 2365): job j's group
-#: is 239.77.(j >> 8 & 255).(j & 255). Not part of the wire protocol: both ends derive it from the
-#: job, like the partition map. ``DOSA_MULTICAST=0`` (set on hosts AND DPU workers) turns it off.
-MULTICAST_PREFIX = (239, 77)
-
-
-def multicast_group(job: "JobConfig") -> tuple[str, int] | None:
-    """The (group, port) a DPU sends this job's results to once, or None for unicast fan-out.
-
-    Multicast needs every host on the same port (one datagram reaches every joined socket bound to
-    group:port) and distinct, non-loopback addresses (hosts on separate interfaces of a fabric that
-    forwards multicast, as the testbed's bridge does); otherwise, or with DOSA_MULTICAST=0, the
-    DPU sends each result packet to every host (unicast fan-out)."""
-    if os.environ.get("DOSA_MULTICAST", "1").strip().lower() in ("0", "no", "off", "false"):
-        return None
-    ports = {p for _, p in job.hosts}
-    addrs = [a for a, _ in job.hosts]
-    if len(job.hosts) < 2 or len(ports) != 1 or len(set(addrs)) != len(addrs) or \
-            any(a.startswith("127.") or a == "0.0.0.0" for a in addrs):
-        return None
-    j = int(job.job_id)
-    return f"{MULTICAST_PREFIX[0]}.{MULTICAST_PREFIX[1]}.{(j >> 8) & 255}.{j & 255}", ports.pop()
-
-
-def _env_off(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() in ("0", "no", "off", "false")
 
 
 _BATCHING: dict[str, bool] | None = None
@@ -191,8 +54,8 @@ def batching() -> dict[str, bool]:
                     log.info("UDP %s unavailable (%s): one datagram per packet (sendmmsg/recvmmsg)",
                              name.upper(), e.strerror or e)
         _BATCHING = got
-    return {"gso": _BATCHING["gso"] and not _env_off("DOSA_GSO"),
-            "gro": _BATCHING["gro"] and not _env_off("DOSA_GRO")}
+    return {"gso": _BATCHING["gso"] and switch_on("DOSA_GSO"),
+            "gro": _BATCHING["gro"] and switch_on("DOSA_GRO")}
 
 
 #: errnos with which a path refuses a GSO datagram (not a full buffer): fall back for good

@@ -28,13 +28,11 @@ dataplane's pools are full).
 The package by job: ``validation`` (request fields -> one-sentence 400s), ``job`` (the registry's
 job and its JSON view), ``persistence`` (the registry on disk), ``peers`` (fan-out to the other DPUs,
 all or nothing), ``rendezvous`` (ranks, waiting for every worker), ``service`` (ControlService: the
-endpoints' logic), ``router`` (HTTP: the route table, ControlServer), ``client`` (the Python client).
+endpoints' logic), ``router`` (HTTP: the route table, ControlServer). The Python client is dosa/join.py (hosts
+import it without the control plane).
 """
-from .client import job_config, join, join_raw, request
-from .job import Job
 from .router import ControlServer
 from .service import DEFAULT_CONTROL_PORT, ControlService
 from .validation import ApiError
 
-__all__ = ["ApiError", "ControlServer", "ControlService", "Job", "join", "join_raw", "job_config",
-           "request", "DEFAULT_CONTROL_PORT"]
+__all__ = ["ApiError", "ControlServer", "ControlService","DEFAULT_CONTROL_PORT"]

@@ -7,9 +7,9 @@ deadlock each other."""
 from __future__ import annotations
 
 from dosa.errors import DosaError
+from dosa.job import JobConfig
+from dosa.join import request
 
-from .client import request
-from .job import Job
 from .validation import ApiError
 
 
@@ -24,7 +24,7 @@ class Peers:
     def call(self, address: str, method: str, path: str, body: dict | None = None) -> dict:
         return request(f"{address}:{self.control_port}", method, path, body, timeout=self.timeout)
 
-    def on_all_dpus(self, job: Job, local_fn, method: str, path: str, body: dict | None,
+    def on_all_dpus(self, job: JobConfig, local_fn, method: str, path: str, body: dict | None,
                     undo=None) -> None:
         """Run one step on every DPU of the job: this one by ``local_fn(i)``, the others by
         ``method path body`` on their servers. With ``undo(i, address)``, a refusal undoes the step
@@ -49,3 +49,13 @@ class Peers:
                 except DosaError:
                     pass  # unreachable now: the job's removal or a restart of that DPU clears it
             raise
+
+
+def registry_body(job: JobConfig) -> dict:
+    """The job as every DPU's registry keeps it (the view hosts get, plus ``num_dpus``): a DPU
+    worker asking its own control plane must learn density, mode, DPUs and hosts."""
+    body = job.view()
+    for k in ("complete", "num_partitions", "worker_id"):
+        body.pop(k, None)
+    body["num_dpus"] = len(job.dpus)
+    return body

@@ -5,16 +5,17 @@ from __future__ import annotations
 import threading
 import time
 
-from .job import Job
+from dosa.job import JobConfig
+
 from .validation import ApiError, bad
 
 
-def assign_rank(job: Job, wid, address: str, port: int) -> int:
+def assign_rank(job: JobConfig, wid, address: str, port: int) -> int:
     """The joiner's worker id: the one it asked for, else the one it already holds from this
     address and port (a re-join), else the lowest free one (409 when the job is full)."""
     if wid is None:
-        mine = [w for w, m in job.members.items() if m == (address, port)]
-        free = [w for w in range(job.workers) if w not in job.members]
+        mine = [w for w, m in job.joined.items() if m == (address, port)]
+        free = [w for w, m in enumerate(job.hosts) if m is None]
         if mine:
             wid = mine[0]
         elif not free:
@@ -26,14 +27,14 @@ def assign_rank(job: Job, wid, address: str, port: int) -> int:
     return wid
 
 
-def wait_complete(cv: threading.Condition, job: Job, wait: float) -> None:
+def wait_complete(cv: threading.Condition, job: JobConfig, wait: float) -> None:
     """Block (holding ``cv``) until every worker joined or ``wait`` seconds passed (504 naming the
     missing ranks). ``wait=0`` returns at once."""
     deadline = time.monotonic() + wait
-    while wait and len(job.members) < job.workers:
+    while wait and not job.complete:
         left = deadline - time.monotonic()
         if left <= 0:
-            missing = [w for w in range(job.workers) if w not in job.members]
-            raise ApiError(504, f"only {len(job.members)} of {job.workers} workers joined job "
+            missing = [w for w, m in enumerate(job.hosts) if m is None]
+            raise ApiError(504, f"only {len(job.joined)} of {job.workers} workers joined job "
                                 f"{job.job_id} within {wait} s; missing ranks {missing}")
         cv.wait(left)

@@ -7,10 +7,10 @@ import threading
 
 from dosa import wire
 from dosa.errors import DosaError
+from dosa.job import JobConfig
 
 from ..alloc import AdmissionError
-from .job import Job
-from .peers import Peers
+from .peers import Peers, registry_body
 from .persistence import load_jobs, save_jobs
 from .rendezvous import assign_rank, wait_complete
 from .validation import ApiError, bad, check_same_shape, parse_hosts, parse_job, req_addr, req_int, req_wait
@@ -31,7 +31,7 @@ class ControlService:
         self.control_port = control_port
         self.peer_timeout = peer_timeout
         self.peers = Peers(address, control_port, peer_timeout)
-        self.jobs: dict[int, Job] = {}
+        self.jobs: dict[int, JobConfig] = {}
         # _cv guards the registry (held briefly, never across a call to another DPU) and wakes
         # rendezvous waiters; _op serialises this server's fan-outs to the DPUs of a job
         self._cv = threading.Condition(threading.RLock())
@@ -52,11 +52,11 @@ class ControlService:
     def _save(self) -> None:
         save_jobs(self.state_path, self.jobs.values())
 
-    def _parse_job(self, req: dict, port_field: str = "job_port") -> Job:
+    def _parse_job(self, req: dict, port_field: str = "job_port") -> JobConfig:
         return parse_job(req, self.address, self.data_port, port_field)
 
     # ----------------------------------------------------------------------------- fan-out to DPUs
-    def _install_job(self, job: Job) -> None:
+    def _install_job(self, job: JobConfig) -> None:
         """Install on every DPU (dataplane in XDP mode, registry in both modes); when one refuses,
         remove it from those that accepted (a job is on all its DPUs or on none)."""
         def undo(i, a):
@@ -66,7 +66,7 @@ class ControlService:
                 self.peers.call(a, "DELETE", f"/v1/local/jobs/{job.job_id}")
 
         self.peers.on_all_dpus(job, lambda i: self._install_job_here(job, i), "POST",
-                               "/v1/local/jobs", job.body(), undo)
+                               "/v1/local/jobs", registry_body(job), undo)
 
     # ------------------------------------------------------------------------------------ requests
     def create_job(self, req: dict) -> dict:
@@ -107,7 +107,7 @@ class ControlService:
             port = req_int(req, "port", 1, 65535, job.port)
             with self._cv:
                 wid = assign_rank(job, req.get("worker_id", req.get("rank")), address, port)
-                have = job.members.get(wid)
+                have = job.hosts[wid]
             if have is not None and have != (address, port) and not req.get("replace"):
                 raise ApiError(409, f"worker {wid} of job {job_id} already joined from {have[0]}:{have[1]}")
             flow = {"job_id": job_id, "worker_id": wid, "address": address, "port": port}
@@ -127,7 +127,7 @@ class ControlService:
             self.peers.on_all_dpus(job, lambda i: self.local_install_flow(flow), "POST",
                                    "/v1/local/flows", flow, undo)
             with self._cv:
-                job.members[wid] = (address, port)  # already there when this server is a DPU of the job
+                job.hosts[wid] = (address, port)  # already there when this server is a DPU of the job
                 self._save()
                 self._cv.notify_all()
         with self._cv:
@@ -140,16 +140,16 @@ class ControlService:
         with self._op:
             with self._cv:
                 job = self._job(job_id)
-                if wid not in job.members:
+                if wid >= job.workers or job.hosts[wid] is None:
                     raise ApiError(404, f"worker {wid} is not a member of job {job_id}")
             self.peers.on_all_dpus(job, lambda i: self.local_remove_flow(job_id, wid), "DELETE",
                               f"/v1/local/flows/{job_id}/{wid}", None)
             with self._cv:
-                job.members.pop(wid, None)
+                job.hosts[wid] = None
                 self._save()
                 return job.view()
 
-    def _job(self, job_id: int) -> Job:
+    def _job(self, job_id: int) -> JobConfig:
         job = self.jobs.get(job_id)
         if job is None:
             raise ApiError(404, f"job {job_id} does not exist")
@@ -183,7 +183,7 @@ class ControlService:
     # and registry: what /v1/local/* does, and what a coordinating server does for itself. Every DPU
     # of a job keeps the job (and its members) in its registry, in both modes, so its DPU worker
     # learns the whole job from its own control plane.
-    def _install_job_here(self, job: Job, dpu_index: int) -> None:
+    def _install_job_here(self, job: JobConfig, dpu_index: int) -> None:
         with self._cv:
             have = self.jobs.get(job.job_id)
             if have is not None and have is not job:
@@ -213,7 +213,7 @@ class ControlService:
             self._cv.notify_all()
 
     def local_install_job(self, req: dict) -> dict:
-        """A peer installs a job here. The body is the job's full view (``Job.body``) plus this
+        """A peer installs a job here. The body is the job's full view (``peers.registry_body``) plus this
         DPU's ``dpu_index``."""
         if not isinstance(req.get("dpus"), list) or not req["dpus"]:
             raise bad("a job installed on a DPU must list the job's dpus")
@@ -221,7 +221,8 @@ class ControlService:
         idx = req_int(req, "dpu_index", 0, len(job.dpus) - 1)
         if req_int(req, "num_dpus", 1, 1 << 16, len(job.dpus)) != len(job.dpus):
             raise bad(f"num_dpus {req['num_dpus']} differs from the {len(job.dpus)} dpus listed")
-        job.members = parse_hosts(req.get("hosts") or [], job)
+        for w, h in parse_hosts(req.get("hosts") or [], job).items():
+            job.hosts[w] = h
         self._install_job_here(job, idx)
         return {"installed": True, "dataplane": self.controller is not None}
 
@@ -237,18 +238,15 @@ class ControlService:
                 raise ApiError(404, f"job {job_id} is not installed on DPU {self.address}")
             if job is not None and wid >= job.workers:
                 raise bad(f"worker id {wid} outside 0..{job.workers - 1} for job {job_id}")
-            old = job.members.get(wid) if job is not None else None
+            old = job.hosts[wid] if job is not None else None
             if job is not None:
-                job.members[wid] = member
+                job.hosts[wid] = member
             if self.controller is not None:
                 try:
                     self.controller.add_worker(job_id, wid, *member)
                 except DosaError as e:
                     if job is not None:  # put the registry back as it was
-                        if old is None:
-                            job.members.pop(wid, None)
-                        else:
-                            job.members[wid] = old
+                        job.hosts[wid] = old
                     raise ApiError(507 if isinstance(e, AdmissionError) else 404, str(e)) from None
             self._save()
             self._cv.notify_all()
@@ -257,8 +255,8 @@ class ControlService:
     def local_remove_flow(self, job_id: int, worker_id: int) -> dict:
         with self._cv:
             job = self.jobs.get(job_id)
-            if job is not None:
-                job.members.pop(worker_id, None)
+            if job is not None and worker_id < job.workers:
+                job.hosts[worker_id] = None
             if self.controller is not None:
                 try:
                     self.controller.remove_worker(job_id, worker_id)

@@ -1,16 +1,16 @@
 """Checks of API request bodies: each bad field becomes one sentence in a 400 (:class:`ApiError`).
 
 Every number a request carries goes through :func:`req_int` (type and range), every address through
-:func:`req_addr`; :func:`parse_job` turns a request into a :class:`~control.api.job.Job` whose shape
-the wire format accepts (``wire.PartitionMap`` refuses what the dataplane could not cut)."""
+:func:`req_addr`; :func:`parse_job` turns a request into a :class:`dosa.job.JobConfig` (nobody joined yet)
+whose shape the wire format accepts (``wire.PartitionMap`` refuses what the dataplane could not cut)."""
 from __future__ import annotations
 
 import socket
 
 from dosa import wire
 from dosa.errors import DosaError
+from dosa.job import DEFAULT_DENSITY, DEFAULT_SCALE_EXP, RESULT_MODES, JobConfig
 
-from .job import MODES, Job
 
 
 class ApiError(DosaError):
@@ -55,19 +55,19 @@ def req_wait(req: dict) -> float:
     return wait
 
 
-def parse_job(req: dict, default_address: str, default_port: int, port_field: str = "job_port") -> Job:
+def parse_job(req: dict, default_address: str, default_port: int, port_field: str = "job_port") -> JobConfig:
     """The job a create request (``port_field="port"``) or a first joiner (``"job_port"``: its
     ``port`` is the host's own) describes; DPUs default to ``default_address``:``default_port``."""
     job_id = req_int(req, "job_id", 1, 2**32 - 1)
     workers = req_int(req, "workers", 1, wire.MAX_WORKERS)
     numel = req_int(req, "numel", 1, 2**32 - 1)
     psize = req_int(req, "partition_size", 1, 2**32 - 1, wire.DEFAULT_PARTITION_SIZE)
-    scale = req_int(req, "scale_exp", wire.SCALE_EXP_MIN, wire.SCALE_EXP_MAX, 16)
+    scale = req_int(req, "scale_exp", wire.SCALE_EXP_MIN, wire.SCALE_EXP_MAX, DEFAULT_SCALE_EXP)
     port = req_int(req, port_field, 1, 65535, default_port)  # the job's UDP port on the DPUs
     mode = req.get("mode", "sum")
-    if mode not in MODES:
+    if mode not in RESULT_MODES:
         raise bad(f"mode must be 'sum' or 'gtopk', got {mode!r}")
-    density = req.get("density", 0.01)
+    density = req.get("density", DEFAULT_DENSITY)
     if not isinstance(density, (int, float)) or not 0 < density <= 1:
         raise bad(f"density must be a number in (0, 1], got {density!r}")
     dpus_raw = req.get("dpus") or [default_address]
@@ -83,10 +83,11 @@ def parse_job(req: dict, default_address: str, default_port: int, port_field: st
         wire.PartitionMap(numel, psize, len(dpus))
     except ValueError as e:
         raise bad(str(e)) from None
-    return Job(job_id, workers, numel, dpus, psize, scale, mode, float(density), port)
+    return JobConfig(job_id=job_id, numel=numel, hosts=[None] * workers, dpus=dpus, partition_size=psize,
+                     mode=mode, density=float(density), scale_exp=scale, port=port)
 
 
-def check_same_shape(job: Job, req: dict) -> None:
+def check_same_shape(job: JobConfig, req: dict) -> None:
     """A later joiner must agree with the job's shape (409 otherwise)."""
     for name in ("workers", "numel", "partition_size"):
         if name in req and req[name] != getattr(job, name):
@@ -94,7 +95,7 @@ def check_same_shape(job: Job, req: dict) -> None:
                                 f"the request says {req[name]}")
 
 
-def parse_hosts(hosts, job: Job) -> dict:
+def parse_hosts(hosts, job: JobConfig) -> dict:
     """``[{worker_id, address, port}]`` -> ``{worker_id: (address, port)}``."""
     if not isinstance(hosts, list):
         raise bad("hosts must be a list of {worker_id, address, port} objects")

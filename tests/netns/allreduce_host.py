@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from dosa.errors import DosaError  # noqa: E402
 from host_lib.client import AggregationClient, MissingWorkersError  # noqa: E402
 from host_lib.quantize import clip_bound  # noqa: E402
-from host_lib.transport import JobConfig  # noqa: E402
+from dosa.job import JobConfig  # noqa: E402
 
 
 def inputs(job: JobConfig, seed: int, rnd: int, w: int, nnz: int):

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from host_lib.transport import JobConfig
+from dosa.job import JobConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST_MAIN = Path(__file__).with_name("allreduce_host.py")

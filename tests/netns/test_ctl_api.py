@@ -56,7 +56,7 @@ def api(dpus):
 
 
 def test_first_joiner_creates_the_job_on_every_dpu_and_join_returns_a_jobconfig(api):
-    from control.api import join
+    from dosa.join import join
 
     ctls, url = api
     shape = dict(numel=5000, workers=2, dpus=list(ADDRS), partition_size=1000, scale_exp=12)
@@ -75,7 +75,7 @@ def test_first_joiner_creates_the_job_on_every_dpu_and_join_returns_a_jobconfig(
 
 
 def _call(url, method, path, body=None, raw=None):
-    from control.api import request
+    from dosa.join import request
 
     if raw is not None:
         req = urllib.request.Request(f"http://{url}{path}", data=raw, method=method)
@@ -169,7 +169,7 @@ def test_a_restarted_server_keeps_its_registry(api, tmp_path):
 def test_every_dpu_registry_has_the_full_job_in_xdp_mode_too(api):
     """DPU 1's control plane answers the same view as DPU 0's (density, mode, dpus, hosts): its DPU
     worker does not fall back to --gtopk-density."""
-    from control.api import request
+    from dosa.join import request
     from dataplane.maps import MODE_GTOPK
 
     ctls, url = api

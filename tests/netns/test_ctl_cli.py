@@ -81,7 +81,7 @@ def test_without_root_says_so():
 def _wait_health(url, proc, timeout=60):
     import time
 
-    from control.api import request
+    from dosa.join import request
 
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -100,7 +100,7 @@ def test_serve_answers_joins_and_cleans_up_on_sigterm(netns_factory, mode):
     SIGTERM stops it with status 0, and in xdp mode the program is detached and unloaded."""
     import signal
 
-    from control.api import join_raw
+    from dosa.join import join_raw
 
     ns = netns_factory("srv")
     subprocess.run(["ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", "p0"], check=True)

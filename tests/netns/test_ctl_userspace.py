@@ -38,7 +38,7 @@ def servers():
 
 
 def _views(servers, job_id):
-    from control.api import request
+    from dosa.join import request
 
     out = []
     for s in servers:
@@ -49,8 +49,8 @@ def _views(servers, job_id):
 
 @pytest.mark.timeout(30)
 def test_every_dpu_control_plane_reports_the_full_job(servers):
-    from control.api import join, request
-    from host_lib.transport import JobConfig
+    from dosa.join import join, request
+    from dosa.job import JobConfig
 
     d0, d1 = servers
     shape = dict(numel=5000, workers=2, dpus=list(ADDRS[:2]), partition_size=1000, scale_exp=12,
@@ -80,7 +80,7 @@ def test_every_dpu_control_plane_reports_the_full_job(servers):
 def test_a_host_may_join_through_any_dpu_and_the_rendezvous_sees_it(servers):
     """Once DPU 1 knows the job, a join through DPU 1 reaches DPU 0's registry and wakes the host
     waiting there (two coordinators at once must not deadlock on each other's registry)."""
-    from control.api import join
+    from dosa.join import join
 
     d0, d1 = servers
     shape = dict(numel=3000, workers=3, dpus=list(ADDRS[:2]), partition_size=1000)
@@ -100,7 +100,7 @@ def test_a_host_may_join_through_any_dpu_and_the_rendezvous_sees_it(servers):
 
 @pytest.mark.timeout(30)
 def test_install_is_all_or_nothing_in_userspace_mode(servers):
-    from control.api import request
+    from dosa.join import request
 
     d0, d1 = servers
     # DPU 2 (127.0.0.3) has no control plane: nothing may stay behind on DPUs 0 and 1
@@ -124,7 +124,7 @@ def test_two_dpu_userspace_gtopk_allreduce_on_a_testbed(tmp_path):
     """`dosa ctl serve` + `dosa dpu run --control <its own control plane>` on 2 DPUs in userspace
     mode, 2 hosts joining through DPU 0: every round of a gtopk allreduce is exact, and with the
     job's density (0.004, not the workers' default 0.01: k per partition is checked), on DPU 1 too."""
-    from control.api import request
+    from dosa.join import request
     from control.netns import run_in_netns
     from testbed.testing import scratch_testbed
 

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from host_lib.client import AggregationClient
 from host_lib.torch_hook import DosaHookState, dosa_hook
-from host_lib.transport import JobConfig
+from dosa.job import JobConfig
 
 
 def main() -> None:

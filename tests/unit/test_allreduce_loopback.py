@@ -11,7 +11,7 @@ import pytest
 
 from dpu_fw.worker import DpuWorker
 from host_lib.client import AggregationClient, MissingWorkersError
-from host_lib.transport import JobConfig
+from dosa.job import JobConfig
 
 
 def free_ports(n):

@@ -1,8 +1,9 @@
-"""host_lib.transport.multicast_group: when a job's results go to a group (once per packet) and when
+"""dosa.net.multicast_group: when a job's results go to a group (once per packet) and when
 they fall back to unicast fan-out; both ends derive it from the job alone."""
 import pytest
 
-from host_lib.transport import JobConfig, multicast_group
+from dosa.job import JobConfig
+from dosa.net import multicast_group
 
 
 def _job(hosts, job_id=258):

@@ -9,7 +9,8 @@ import pytest
 
 from dosa.wire import PacketBatch
 from host_lib import _net
-from host_lib.transport import UdpEndpoint, addr_arrays
+from host_lib.transport import UdpEndpoint
+from dosa.net import addr_arrays
 
 
 def _drain(ep, want, deadline=5.0):

@@ -12,7 +12,8 @@ import pytest
 
 from dosa.wire import PacketBatch
 from host_lib import _net
-from host_lib.transport import UdpEndpoint, addr_arrays, batching
+from host_lib.transport import UdpEndpoint, batching
+from dosa.net import addr_arrays
 
 pytestmark = pytest.mark.skipif(not batching()["gso"] or not batching()["gro"],
                                 reason="this kernel has no UDP GSO/GRO (fallback tested below)")

@@ -85,7 +85,7 @@ def one_rank_job(tmp_path):
     """A single-worker job served by a userspace DPU worker subprocess on loopback, and a
     world-of-one Gloo process group in this process; both are torn down afterwards."""
     from dosa.demo import free_port, stop_processes
-    from host_lib.transport import JobConfig
+    from dosa.job import JobConfig
 
     model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5))
     numel = sum(p.numel() for p in model.parameters())
@@ -114,7 +114,7 @@ def one_rank_job(tmp_path):
 
 def _factory(cfg):
     from host_lib.client import AggregationClient
-    from host_lib.transport import JobConfig
+    from dosa.job import JobConfig
 
     return lambda numel: AggregationClient(JobConfig.load(str(cfg)), worker_id=0, timeout=10)
 

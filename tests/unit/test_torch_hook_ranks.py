@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dosa.demo import free_port, stop_processes
-from host_lib.transport import JobConfig
+from dosa.job import JobConfig
 
 REPO = Path(__file__).resolve().parents[2]
 NUMEL = 32 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10

@@ -1,14 +1,16 @@
-"""The Python client of the join API: one call (:func:`request`), the join (:func:`join_raw`,
-:func:`join`), the job config a join answers (:func:`job_config`)."""
+"""The host's side of the control plane's join API (control/api; docs/control.md): one call
+(:func:`request`), the join (:func:`join_raw`: the answer as sent; :func:`join`: the JobConfig,
+unset arguments from the rank's DOSA_* environment). Stdlib HTTP only: every layer may call it."""
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 
 from dosa import wire
+from dosa.env import RankEnv
 from dosa.errors import DosaError
+from dosa.job import JobConfig
 
 
 def _hostport(control) -> str:
@@ -52,27 +54,27 @@ def join_raw(control, job_id: int, address: str, port: int | None = None, worker
 
 def join(control, worker_id: int | None = None, numel: int | None = None, *, job_id: int | None = None,
          address: str | None = None, port: int | None = None, workers: int | None = None,
-         dpus: list | None = None, wait: float = 60.0, **job_kw):
-    """Join a job and return its host_lib.transport.JobConfig once every worker has joined.
+         dpus: list | None = None, wait: float = 60.0, env=None, **job_kw) -> JobConfig:
+    """Join a job and return its JobConfig once every worker has joined.
 
-    Unset arguments come from the environment ``dosa testbed run`` (and torchrun) sets:
-    job_id <- DOSA_JOB_ID, address <- DOSA_HOST_ADDR, port <- DOSA_PORT, workers <- WORLD_SIZE,
-    dpus <- DOSA_DPU_ADDRS. numel, workers and dpus let the first joiner create the job."""
-    env = os.environ
+    Unset arguments come from the environment ``dosa testbed run`` (and torchrun) sets
+    (:class:`dosa.env.RankEnv`): job_id <- DOSA_JOB_ID, address <- DOSA_HOST_ADDR, port <- DOSA_PORT,
+    workers <- WORLD_SIZE, dpus <- DOSA_DPU_ADDRS. numel, workers and dpus let the first joiner
+    create the job."""
+    e = RankEnv.parse(env)
     if job_id is None:
-        if not env.get("DOSA_JOB_ID"):
+        if e.job_id is None:
             raise DosaError("no job id: pass job_id or set DOSA_JOB_ID")
-        job_id = int(env["DOSA_JOB_ID"])
-    address = address or env.get("DOSA_HOST_ADDR")
+        job_id = e.job_id
+    address = address or e.host_addr
     if not address:
         raise DosaError("no host address: pass address or set DOSA_HOST_ADDR")
     if port is None:
-        port = int(env.get("DOSA_PORT", wire.DEFAULT_PORT))
-    if workers is None and env.get("WORLD_SIZE"):
-        workers = int(env["WORLD_SIZE"])
-    if dpus is None and env.get("DOSA_DPU_ADDRS"):
-        dport = int(env.get("DOSA_PORT", wire.DEFAULT_PORT))
-        dpus = [{"address": a, "port": dport} for a in env["DOSA_DPU_ADDRS"].split(",") if a]
+        port = e.port or wire.DEFAULT_PORT
+    if workers is None:
+        workers = e.world_size
+    if dpus is None and e.dpu_addrs:
+        dpus = [{"address": a, "port": e.port or wire.DEFAULT_PORT} for a in e.dpu_addrs]
     shape = dict(job_kw)
     if numel is not None:
         shape["numel"] = int(numel)
@@ -80,18 +82,4 @@ def join(control, worker_id: int | None = None, numel: int | None = None, *, job
         shape["workers"] = int(workers)
     if dpus is not None:
         shape["dpus"] = dpus
-    resp = join_raw(control, job_id, address, port, worker_id, wait, **shape)
-    return job_config(resp)
-
-
-def job_config(resp: dict):
-    """host_lib.transport.JobConfig of a join response (the dict itself if host_lib is absent)."""
-    try:
-        from host_lib.transport import JobConfig
-    except ImportError:
-        return resp
-    return JobConfig(job_id=resp["job_id"], numel=resp["numel"],
-                     hosts=[(h["address"], h["port"]) for h in resp["hosts"]],
-                     dpus=[(d["address"], d["port"]) for d in resp["dpus"]],
-                     partition_size=resp["partition_size"], mode=resp["mode"], density=resp["density"],
-                     scale_exp=resp["scale_exp"])
+    return JobConfig.from_view(join_raw(control, job_id, address, port, worker_id, wait, **shape))

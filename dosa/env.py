@@ -1,0 +1,76 @@
+"""The one parser of a rank's ``DOSA_*`` environment (what ``dosa testbed run``, the deploy and
+torchrun set), and of the on/off switches (``DOSA_MULTICAST``, ``DOSA_GSO``, ``DOSA_GRO``).
+
+=====================  =========================================================================
+variable               meaning
+=====================  =========================================================================
+RANK, WORLD_SIZE       this rank, the number of workers (torchrun's)
+DOSA_JOB_ID            the job to join
+DOSA_HOST_ADDR         this host's address (the one it sends from and gets results on)
+DOSA_PORT              the job's UDP port (hosts and DPUs)
+DOSA_DPU_ADDRS         comma list of the DPUs' addresses (a first joiner creates the job with them)
+DOSA_CONTROL_ADDR/PORT the control plane to join through
+DOSA_JOB_CONFIG        a job file instead (JobConfig.save); no control plane needed
+=====================  =========================================================================
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from dosa.errors import DosaError
+
+_OFF = ("0", "no", "off", "false")
+
+
+def switch_on(name: str, env=None) -> bool:
+    """An on/off switch, on unless set to 0/no/off/false."""
+    return (os.environ if env is None else env).get(name, "1").strip().lower() not in _OFF
+
+
+def _int(env, name: str, default=None):
+    v = env.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise DosaError(f"{name} must be an integer, got {v!r}") from None
+
+
+@dataclass
+class RankEnv:
+    rank: int = 0
+    world_size: int | None = None
+    job_id: int | None = None
+    host_addr: str | None = None
+    port: int | None = None
+    dpu_addrs: list | None = None
+    control: tuple[str, int] | None = None
+    job_config: str | None = None
+
+    @classmethod
+    def parse(cls, env=None) -> "RankEnv":
+        env = os.environ if env is None else env
+        addr, cport = env.get("DOSA_CONTROL_ADDR"), _int(env, "DOSA_CONTROL_PORT")
+        dpus = env.get("DOSA_DPU_ADDRS")
+        return cls(rank=_int(env, "RANK", 0), world_size=_int(env, "WORLD_SIZE"),
+                   job_id=_int(env, "DOSA_JOB_ID"), host_addr=env.get("DOSA_HOST_ADDR") or None,
+                   port=_int(env, "DOSA_PORT"),
+                   dpu_addrs=[a for a in dpus.split(",") if a] if dpus else None,
+                   control=(addr, cport) if addr and cport else None,
+                   job_config=env.get("DOSA_JOB_CONFIG") or None)
+
+    def to_env(self) -> dict[str, str]:
+        """The variables that :meth:`parse` reads back as this (unset fields left out)."""
+        out = {"RANK": str(self.rank)}
+        for name, v in (("WORLD_SIZE", self.world_size), ("DOSA_JOB_ID", self.job_id),
+                        ("DOSA_HOST_ADDR", self.host_addr), ("DOSA_PORT", self.port),
+                        ("DOSA_JOB_CONFIG", self.job_config)):
+            if v is not None:
+                out[name] = str(v)
+        if self.dpu_addrs is not None:
+            out["DOSA_DPU_ADDRS"] = ",".join(self.dpu_addrs)
+        if self.control is not None:
+            out["DOSA_CONTROL_ADDR"], out["DOSA_CONTROL_PORT"] = self.control[0], str(self.control[1])
+        return out

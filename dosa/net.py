@@ -1,0 +1,43 @@
+"""Addressing rules both ends of a job derive from the job alone: address tables for batched sends
+and the per-job multicast group of the results.
+
+Addresses are kept as arrays (IPv4 and port in network order, one row per host or DPU) so a batch's
+``dest`` column maps to destinations with one numpy gather, never a Python loop per packet."""
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+
+from dosa.env import switch_on
+
+#: First address of the per-job result groups (administratively scoped, RFC 2365): job j's group
+#: is 239.77.(j >> 8 & 255).(j & 255). Not part of the wire protocol: both ends derive it from the
+#: job, like the partition map. ``DOSA_MULTICAST=0`` (set on hosts AND DPU workers) turns it off.
+MULTICAST_PREFIX = (239, 77)
+
+
+def addr_arrays(addrs) -> tuple[np.ndarray, np.ndarray]:
+    """[(ip, port), ...] -> (ip u32 holding network-order bytes, port u16 in network order)."""
+    ips = np.array([np.frombuffer(socket.inet_aton(a), np.uint32)[0] for a, _ in addrs], np.uint32)
+    ports = np.array([socket.htons(int(p)) for _, p in addrs], np.uint16)
+    return ips, ports
+
+
+def multicast_group(job) -> tuple[str, int] | None:
+    """The (group, port) a DPU sends this job's (a complete dosa.job.JobConfig) results to once, or
+    None for unicast fan-out.
+
+    Multicast needs every host on the same port (one datagram reaches every joined socket bound to
+    group:port) and distinct, non-loopback addresses (hosts on separate interfaces of a fabric that
+    forwards multicast, as the testbed's bridge does); otherwise, or with DOSA_MULTICAST=0, the
+    DPU sends each result packet to every host (unicast fan-out)."""
+    if not switch_on("DOSA_MULTICAST"):
+        return None
+    ports = {p for _, p in job.hosts}
+    addrs = [a for a, _ in job.hosts]
+    if len(job.hosts) < 2 or len(ports) != 1 or len(set(addrs)) != len(addrs) or \
+            any(a.startswith("127.") or a == "0.0.0.0" for a in addrs):
+        return None
+    j = int(job.job_id)
+    return f"{MULTICAST_PREFIX[0]}.{MULTICAST_PREFIX[1]}.{(j >> 8) & 255}.{j & 255}", ports.pop()
