@@ -25,13 +25,15 @@ import numpy as np
 
 from dosa import wire
 from dosa.errors import DosaError
+from dosa.job import JobConfig
+from dosa.net import addr_arrays, multicast_group
 from dosa.wire import Flags, HEADER_DTYPE, PacketBatch, PacketType
 
 from .packetizer import packetize, packetize_control, parse_batch
 from .encoder import RoundEncoder
 from .quantize import choose_scale_exp, clip_bound, dequantize
 from . import _net
-from .transport import JobConfig, UdpEndpoint, addr_arrays, multicast_group
+from .transport import UdpEndpoint
 
 #: _net.decode_sparse_entries decodes (big-endian u32 index, big-endian s32 value) pairs: use it
 #: only while that is the wire's entry layout.
@@ -498,7 +500,7 @@ def join_via_control(control, worker_id: int, numel=None, *, job_id: int | None 
     (numel, workers, dpus, ...), like a torchrun rendezvous.
     """
     try:
-        from control.api import join_raw
+        from dosa.join import join_raw
     except ImportError:
         raise DosaError("the control plane's join API (control.api) is not available; "
                         "give the job config explicitly") from None
