@@ -81,3 +81,21 @@ def test_send_batch_validates_rows_and_destinations():
             _net.send_batch(ep.fd, b.data, b.lengths, np.array([0, 1], np.int64), ip, port, 1.0)
     finally:
         ep.close()
+
+
+def test_scatter_dense_clears_the_previous_round_and_dequantizes_like_numpy():
+    from host_lib.quantize import dequantize
+
+    rng = np.random.default_rng(5)
+    n = 100_000
+    prev = np.sort(rng.choice(n, 3000, replace=False)).astype(np.uint32)
+    idx = np.sort(rng.choice(n, 2000, replace=False)).astype(np.uint32)
+    q = rng.integers(-2**31 + 1, 2**31 - 1, len(idx)).astype(np.int32)
+    out = np.zeros(n, np.float32)
+    out[prev] = 7.0
+    _net.scatter_dense(out, prev, idx, q, 13)
+    ref = np.zeros(n, np.float32)
+    ref[idx] = dequantize(q, 13)
+    assert np.array_equal(out, ref)
+    with pytest.raises(IndexError):
+        _net.scatter_dense(out, prev[:0], np.array([n], np.uint32), np.array([1], np.int32), 0)
