@@ -1,0 +1,118 @@
+"""Leases: a job lives as long as its workers do.
+
+A worker that joins with a ``session`` (a token its process draws once: AggregationClient does)
+holds a lease on its rank and keeps it by heartbeats (``POST /v1/heartbeat``, every
+:data:`HEARTBEAT_S`). Why leases and not only ``leave``: a crashed run (SIGKILL, OOM, a lost
+machine) never says goodbye, and its job would hold the DPU's memory and its job id forever.
+
+* A member silent for :data:`DEAD_AFTER_S` is *dead*: heartbeat answers tell the other members so
+  (their stalled round then names it, within seconds whatever the round size), and a new run may
+  take the job over.
+* A job whose members are all leased and silent for ``lease_s`` (default :data:`LEASE_S`) has run
+  out: the server that holds the leases removes it from every DPU (the sweeper, control/api/service).
+* Members joined without a session (an admin's ``join`` call, old clients) hold no lease: they never
+  expire, and a job with such a member never runs out (``dosa ctl job rm`` removes it).
+
+Each job carries a ``generation`` (a counter of this server's creations): a job re-created under the
+same id is another generation, so a heartbeat of the old run is answered 409 ("re-created"), not
+mistaken for the new one. Leases live in memory only: a restarted server grants every member of a
+job it re-read a fresh lease (adopting the first session that beats for it).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+
+HEARTBEAT_S = 0.25  #: how often a client beats
+DEAD_AFTER_S = 2.0  #: silence after which a member is reported dead (the 3 s dead-host budget)
+LEASE_S = 10.0  #: silence of every member after which a job is released
+
+_generations = itertools.count(1)
+
+
+def next_generation() -> int:
+    return next(_generations)
+
+
+@dataclass
+class Lease:
+    session: str | None  # None: adopted by the first session that beats (after a server restart)
+    last_seen: float
+
+
+class Leases:
+    """Per job: ``{worker_id: Lease}`` of the members that joined with a session. Thread-safe."""
+
+    def __init__(self, lease_s: float = LEASE_S, dead_after: float = DEAD_AFTER_S, clock=time.monotonic):
+        if lease_s <= 0 or dead_after <= 0:
+            raise ValueError("lease and dead-after times must be positive")
+        self.lease_s = float(lease_s)
+        self.dead_after = float(dead_after)
+        self.clock = clock
+        self._jobs: dict[int, dict[int, Lease]] = {}
+        self._lock = threading.Lock()
+
+    def grant(self, job_id: int, wid: int, session: str | None) -> None:
+        with self._lock:
+            self._jobs.setdefault(job_id, {})[wid] = Lease(session, self.clock())
+
+    def beat(self, job_id: int, wid: int, session: str) -> str | None:
+        """Renew; None when renewed, else why not (the rank is held by another session)."""
+        with self._lock:
+            lease = self._jobs.get(job_id, {}).get(wid)
+            if lease is None:
+                return "holds no lease"
+            if lease.session is None:
+                lease.session = session
+            if lease.session != session:
+                return "is held by another run"
+            lease.last_seen = self.clock()
+            return None
+
+    def drop(self, job_id: int, wid: int | None = None) -> None:
+        with self._lock:
+            if wid is None:
+                self._jobs.pop(job_id, None)
+            else:
+                self._jobs.get(job_id, {}).pop(wid, None)
+
+    def session(self, job_id: int, wid: int) -> str | None:
+        with self._lock:
+            lease = self._jobs.get(job_id, {}).get(wid)
+            return None if lease is None else lease.session
+
+    def ages(self, job_id: int) -> dict[int, float]:
+        """Seconds since each leased member's last heartbeat."""
+        now = self.clock()
+        with self._lock:
+            return {w: now - l.last_seen for w, l in self._jobs.get(job_id, {}).items()}
+
+    def dead(self, job_id: int) -> dict[int, float]:
+        return {w: a for w, a in self.ages(job_id).items() if a > self.dead_after}
+
+    def all_dead(self, job_id: int, members) -> bool:
+        """Every member of ``members`` is leased and dead (a run that is over without leaving)."""
+        ages = self.ages(job_id)
+        return bool(members) and all(w in ages and ages[w] > self.dead_after for w in members)
+
+    def expired(self, jobs: dict) -> list[int]:
+        """Jobs (of ``{job_id: members}``) whose members are all leased and silent for lease_s."""
+        out = []
+        for job_id, members in jobs.items():
+            ages = self.ages(job_id)
+            if members and all(w in ages and ages[w] > self.lease_s for w in members):
+                out.append(job_id)
+        return out
+
+    def view(self, job_id: int, members) -> dict:
+        """The job's leases as ``GET /v1/jobs`` and heartbeat answers show them."""
+        ages = self.ages(job_id)
+        leased = bool(members) and all(w in ages for w in members)
+        return {"lease_s": self.lease_s, "dead_after_s": self.dead_after,
+                "expires_in_s": (round(max(0.0, self.lease_s - min(ages[w] for w in members)), 3)
+                                 if leased else None),
+                "members": {str(w): {"heartbeat_age_s": round(ages[w], 3) if w in ages else None,
+                                     "alive": (ages[w] <= self.dead_after) if w in ages else None}
+                            for w in sorted(members)}}
