@@ -12,10 +12,10 @@
 #define DOSA_POOL_SLOTS (1u << 22) /* s64 aggregation slots: 32 MiB */
 #endif
 #ifndef DOSA_PSTATE_SLOTS
-#define DOSA_PSTATE_SLOTS 65536 /* owned (job, partition) states */
+#define DOSA_PSTATE_SLOTS 65536 /* (job, slot) states */
 #endif
 #ifndef DOSA_WSTATE_SLOTS
-#define DOSA_WSTATE_SLOTS 262144 /* (job, owned partition, parity, worker) states */
+#define DOSA_WSTATE_SLOTS 262144 /* (job, slot, parity, worker) states */
 #endif
 #ifndef DOSA_MAX_JOBS
 #define DOSA_MAX_JOBS 64
@@ -43,12 +43,14 @@ struct dosa_job {
 	__u32 num_owned;      /* partitions owned here: local index j = p / num_dpus */
 	__u32 mode;           /* DOSA_MODE_* (informational for XDP) */
 	__u32 pool_off;       /* first s64 slot of the job's region in the aggregation pool */
-	__u32 pstate_off;     /* first entry of its num_owned partition states */
-	__u32 wstate_off;     /* first entry of its num_owned * 2 * workers worker states */
+	__u32 pstate_off;     /* first entry of its `slots` slot states */
+	__u32 wstate_off;     /* first entry of its slots * 2 * workers worker states */
 	__s32 scale_exp;      /* initial scale exponent (round 0) */
 	__u32 port;           /* UDP port of the job */
-	__u32 stride;         /* slots per buffer: min(partition_size, numel) (a one-partition job
-			       * smaller than partition_size does not waste the pool) */
+	__u32 stride;         /* s64 entries per buffer: min(partition_size, numel) (a one-partition
+			       * job smaller than partition_size does not waste the pool) */
+	__u32 slots;          /* aggregation slots (1..num_owned): owned partition j aggregates in
+			       * slot j % slots; its memory is slots * 2 * stride pool entries */
 };
 
 /* workers: hash (job, worker) -> the only source allowed to send as that worker. */
@@ -63,16 +65,18 @@ struct dosa_flow {
 	__u16 reserved;
 };
 
-/* pstate: mmapable array; one per owned (job, partition). Index pstate_off + j. */
+/* pstate: mmapable array; one per (job, slot). Index pstate_off + slot.
+ * The occupants of slot s are the owned partitions j = s, s + slots, ... (n_s = ceil((num_owned -
+ * s) / slots) of them a round), round after round; occupant (round r, j) is generation
+ * g = r * n_s + j / slots, so a slot's occupants are numbered 0, 1, 2, ... without gaps. */
 struct dosa_pstate {
-	__u32 base_round;      /* rounds base_round and base_round + 1 are accepted */
-	__u32 reserved;
+	__u64 base_gen;        /* generations base_gen and base_gen + 1 are accepted */
 	/* 64-bit because BCC's BPF target only has fetching atomics (fetch_add, cmpxchg) on 64 bits */
-	__u64 workers_done[2]; /* per parity: workers whose contribution is complete */
+	__u64 workers_done[2]; /* per parity (g & 1): workers whose contribution is complete */
 	__u64 scale_tag[2];    /* per parity: scale_exp + DOSA_SCALE_TAG_BIAS of the round, 0 = unset */
 };
 
-/* wstate: mmapable array; index wstate_off + (j * 2 + parity) * workers + worker_id. */
+/* wstate: mmapable array; index wstate_off + (slot * 2 + parity) * workers + worker_id. */
 struct dosa_wstate {
 	__u64 seen[4];  /* dedup bitmap: bit seq (< 256) */
 	__u64 received; /* distinct seqs merged (64-bit: fetching atomics) */

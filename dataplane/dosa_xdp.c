@@ -67,12 +67,16 @@ struct merge_ctx {
 	struct dosa_pstate *ps;
 	struct dosa_wstate *ws;
 	u64 lo, hi;   /* the partition's index range */
-	u64 buf0;     /* pool slot of index lo in the round's buffer */
+	u64 buf0;     /* pool entry of index lo in the occupant's buffer */
+	u64 gen;      /* the packet's occupant of its slot (dosa_state.h, struct dosa_pstate) */
 	u32 p, round, parity, workers;
 };
 
-/* Partition, ownership, round window and state of a data packet. Returns a counter index of the
- * rule it breaks, or -1. */
+/* Partition, ownership, slot, occupant window and state of a data packet. Owned partition j
+ * aggregates in slot j % slots as generation g = round * n + j / slots (n: the slot's occupants a
+ * round); the slot accepts g in {base_gen, base_gen + 1}: older is a late packet of an occupant
+ * the slot has moved past (round_too_old), newer one whose slot is still held (round_too_new).
+ * Returns a counter index of the rule it breaks, or -1. */
 static __always_inline int locate(struct dosa_hdr *h, struct dosa_job *job, struct merge_ctx *mc)
 {
 	u32 p = dosa_ntohs(h->partition);
@@ -94,27 +98,34 @@ static __always_inline int locate(struct dosa_hdr *h, struct dosa_job *job, stru
 	if (mc->hi > job->numel)
 		mc->hi = job->numel;
 
-	u32 ps_idx = job->pstate_off + local;
+	u32 nslots = job->slots;
+	if (nslots == 0 || nslots > job->num_owned)
+		return DOSA_C_INTERNAL;
+	u32 slot = local % nslots;
+	u64 per_round = (job->num_owned - slot + nslots - 1) / nslots;
+	mc->gen = (u64)round * per_round + local / nslots;
+
+	u32 ps_idx = job->pstate_off + slot;
 	mc->ps = pstate.lookup(&ps_idx);
 	if (!mc->ps)
 		return DOSA_C_INTERNAL;
-	u32 base = *(volatile u32 *)&mc->ps->base_round;
-	if (round < base)
+	u64 base = *(volatile u64 *)&mc->ps->base_gen;
+	if (mc->gen < base)
 		return DOSA_C_ROUND_TOO_OLD;
-	if (round - base > 1)
+	if (mc->gen - base > 1)
 		return DOSA_C_ROUND_TOO_NEW;
-	mc->parity = round & 1;
+	mc->parity = mc->gen & 1;
 	mc->workers = job->workers;
 	mc->p = p;
 	mc->round = round;
 
-	u32 ws_idx = job->wstate_off + (local * 2 + mc->parity) * job->workers + wid;
+	u32 ws_idx = job->wstate_off + (slot * 2 + mc->parity) * job->workers + wid;
 	mc->ws = wstate.lookup(&ws_idx);
 	if (!mc->ws)
 		return DOSA_C_INTERNAL;
 
 	u64 stride = job->stride;
-	mc->buf0 = (u64)job->pool_off + ((u64)local * 2 + mc->parity) * stride;
+	mc->buf0 = (u64)job->pool_off + ((u64)slot * 2 + mc->parity) * stride;
 	if (mc->hi - mc->lo > stride || mc->buf0 + stride > DOSA_POOL_SLOTS)
 		return DOSA_C_INTERNAL;
 	return -1;
@@ -146,13 +157,13 @@ static __always_inline int claim(struct dosa_hdr *h, struct merge_ctx *mc)
 			return DOSA_C_PASS_DUP_OF_COMPLETE;
 		return DOSA_C_DUPLICATE;
 	}
-	/* A late copy of round base-1 that passed the window check just before the DPU worker's
-	 * advance() moved base_round and zeroed this parity would have claimed a seq in the zeroed
-	 * state of round base+1. advance() stores base_round before it clears, so re-reading it
+	/* A late copy of occupant base-1 that passed the window check just before the DPU worker's
+	 * advance() moved base_gen and zeroed this parity would have claimed a seq in the zeroed
+	 * state of occupant base+1. advance() stores base_gen before it clears, so re-reading it
 	 * here (after the full barrier of the atomic above) catches exactly that case: undo what
-	 * this packet set and drop it. Round base+1 cannot have started yet (its hosts wait for the
-	 * result the worker sends after advance() returns), so the undo races with nobody. */
-	if (mc->round < *(volatile u32 *)&ps->base_round) {
+	 * this packet set and drop it. Occupant base+1 cannot have started yet (its hosts wait for
+	 * the result the worker sends after advance() returns), so the undo races with nobody. */
+	if (mc->gen < *(volatile u64 *)&ps->base_gen) {
 		__sync_fetch_and_and(&ws->seen[(seq >> 6) & 3], ~bit);
 		if (old_total == 0)
 			__sync_val_compare_and_swap(&ws->total, total, 0);

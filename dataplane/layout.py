@@ -23,7 +23,7 @@ class Job(ctypes.Structure):
                 ("num_owned", ctypes.c_uint32), ("mode", ctypes.c_uint32),
                 ("pool_off", ctypes.c_uint32), ("pstate_off", ctypes.c_uint32),
                 ("wstate_off", ctypes.c_uint32), ("scale_exp", ctypes.c_int32),
-                ("port", ctypes.c_uint32), ("stride", ctypes.c_uint32)]
+                ("port", ctypes.c_uint32), ("stride", ctypes.c_uint32), ("slots", ctypes.c_uint32)]
 
 
 class FlowKey(ctypes.Structure):
@@ -36,7 +36,7 @@ class Flow(ctypes.Structure):
 
 
 class PState(ctypes.Structure):
-    _fields_ = [("base_round", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
+    _fields_ = [("base_gen", ctypes.c_uint64),
                 ("workers_done", ctypes.c_uint64 * 2), ("scale_tag", ctypes.c_uint64 * 2)]
 
 

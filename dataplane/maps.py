@@ -7,7 +7,7 @@ The DPU worker (another process) uses the read/advance side::
     for c in dp.poll_completions(timeout_ms=100):       # Completion(job_id, partition, round, scale_exp)
         sums = dp.buffer(c.job_id, c.partition, c.round)  # int64 view, zero-copy: index lo + i
         ...  # build and send result packets from sums
-        dp.advance(c.job_id, c.partition, c.round)        # clear round-1's parity, base_round = round
+        dp.advance(c.job_id, c.partition, c.round)        # clear the slot's previous occupant
 
 The control plane (control.Controller) uses the write side: put_job / delete_job / put_flow /
 delete_flow / add_port and clear_job_state. Layout and reasons: docs/dataplane.md.
@@ -65,19 +65,47 @@ class JobInfo:
     wstate_off: int
     scale_exp: int
     port: int
-    stride: int = 0  # slots per buffer; 0 = min(partition_size, numel)
+    stride: int = 0  # pool entries per buffer; 0 = min(partition_size, numel)
+    slots: int = 0  # aggregation slots of the job on this DPU (docs/dataplane.md); 0 = num_owned
 
     def __post_init__(self):
         if not self.stride:
             object.__setattr__(self, "stride", min(self.partition_size, self.numel))
+        if not self.slots:
+            object.__setattr__(self, "slots", self.num_owned)
 
     @property
     def pool_len(self) -> int:
-        return self.num_owned * 2 * self.stride
+        """Pool entries the job holds: two buffers (occupant parity) per slot, whatever numel."""
+        return self.slots * 2 * self.stride
+
+    @property
+    def pstate_len(self) -> int:
+        return self.slots
 
     @property
     def wstate_len(self) -> int:
-        return self.num_owned * 2 * self.workers
+        return self.slots * 2 * self.workers
+
+    # ---- slots: owned partition j aggregates in slot j % slots as occupant (generation)
+    # g = round * n_s + j // slots, n_s = the slot's occupants a round (docs/dataplane.md)
+    def slot(self, p: int) -> int:
+        return self.local(p) % self.slots
+
+    def per_round(self, slot: int) -> int:
+        """Occupants of ``slot`` in one round: owned partitions slot, slot + slots, ..."""
+        return -(-(self.num_owned - slot) // self.slots)
+
+    def gen(self, p: int, round: int) -> int:
+        """(partition, round) as its slot's occupant number (0, 1, 2, ... without gaps)."""
+        local = self.local(p)
+        s = local % self.slots
+        return round * self.per_round(s) + local // self.slots
+
+    def occupant(self, slot: int, gen: int) -> tuple[int, int]:
+        """(partition, round) that is occupant ``gen`` of ``slot``."""
+        rnd, k = divmod(gen, self.per_round(slot))
+        return (slot + k * self.slots) * self.num_dpus + self.dpu_index, rnd
 
     def owns(self, p: int) -> bool:
         return 0 <= p < self.num_partitions and p % self.num_dpus == self.dpu_index
@@ -105,9 +133,14 @@ class JobInfo:
 
 @dataclass(frozen=True)
 class RoundState:
+    """The state of a partition's slot: its base occupant (the shadow copy once the next one
+    started) as generation and as (partition, round), and per parity its completion and scale."""
+
     base_round: int
     workers_done: tuple[int, int]  # by parity
     scale_exp: tuple[int | None, int | None]  # by parity; None = no packet yet
+    base_gen: int = 0
+    base_partition: int = 0
 
 
 class DataplaneMaps:
@@ -211,65 +244,84 @@ class DataplaneMaps:
                 if (j := self.job_info(k.value)) is not None]
 
     def buffer(self, job_id: int, partition: int, round: int, job: JobInfo | None = None) -> np.ndarray:
-        """Zero-copy int64 view of the sums of (partition, round parity): element i is index lo + i."""
+        """Zero-copy int64 view of the sums of (partition, round) in its slot's buffer of that
+        occupant's parity: element i is index lo + i. Meaningful while (partition, round) is one of
+        the slot's two accepted occupants (``in_window``)."""
         j = job or self._job(job_id)
-        local = j.local(partition)
         lo, hi = j.bounds(partition)
-        start = j.pool_off + (local * 2 + (round & 1)) * j.stride
+        start = j.pool_off + (j.slot(partition) * 2 + (j.gen(partition, round) & 1)) * j.stride
         return self.pool[start:start + (hi - lo)]
 
     def _ps_index(self, j: JobInfo, partition: int) -> int:
-        return j.pstate_off + j.local(partition)
+        return j.pstate_off + j.slot(partition)
 
-    def _ws_slice(self, j: JobInfo, partition: int, parity: int) -> slice:
-        start = j.wstate_off + (j.local(partition) * 2 + parity) * j.workers
+    def _ws_slice(self, j: JobInfo, slot: int, parity: int) -> slice:
+        start = j.wstate_off + (slot * 2 + parity) * j.workers
         return slice(start, start + j.workers)
+
+    def worker_state(self, job_id: int, partition: int, round: int) -> np.ndarray:
+        """The per-worker states (dedup bits, received, total) of (partition, round)'s slot parity."""
+        j = self._job(job_id)
+        return self.wstate[self._ws_slice(j, j.slot(partition), j.gen(partition, round) & 1)]
 
     def round_state(self, job_id: int, partition: int) -> RoundState:
         j = self._job(job_id)
         ps = self.pstate[self._ps_index(j, partition)]
         tags = [int(t) for t in ps["scale_tag"]]
-        return RoundState(int(ps["base_round"]), (int(ps["workers_done"][0]), int(ps["workers_done"][1])),
-                          tuple(t - layout.SCALE_TAG_BIAS if t else None for t in tags))
+        gen = int(ps["base_gen"])
+        bp, br = j.occupant(j.slot(partition), gen)
+        return RoundState(br, (int(ps["workers_done"][0]), int(ps["workers_done"][1])),
+                          tuple(t - layout.SCALE_TAG_BIAS if t else None for t in tags), gen, bp)
 
-    def is_complete(self, job_id: int, partition: int, round: int) -> bool:
-        j = self._job(job_id)
+    def in_window(self, job_id: int, partition: int, round: int, job: JobInfo | None = None) -> bool:
+        """Whether (partition, round) is its slot's base occupant or the one after it."""
+        j = job or self._job(job_id)
+        base = int(self.pstate["base_gen"][self._ps_index(j, partition)])
+        return base <= j.gen(partition, round) <= base + 1
+
+    def is_complete(self, job_id: int, partition: int, round: int, job: JobInfo | None = None) -> bool:
+        j = job or self._job(job_id)
         ps = self.pstate[self._ps_index(j, partition)]
-        base = int(ps["base_round"])
-        return base <= round <= base + 1 and int(ps["workers_done"][round & 1]) >= j.workers
+        base, g = int(ps["base_gen"]), j.gen(partition, round)
+        return base <= g <= base + 1 and int(ps["workers_done"][g & 1]) >= j.workers
 
-    def advance(self, job_id: int, partition: int, completed_round: int, nonzero=None) -> bool:
-        """Round ``completed_round`` of ``partition`` is complete: clear the buffer, dedup bitmaps and
-        counters of the previous round's parity and set base_round = completed_round (docs/protocol.md,
-        *Rounds*). Call it BEFORE sending the result of completed_round. Idempotent: returns False
-        (and touches nothing) when base_round is already >= completed_round.
+    def advance(self, job_id: int, partition: int, completed_round: int, nonzero=None,
+                job: JobInfo | None = None) -> bool:
+        """(partition, completed_round) is complete: if it is its slot's occupant after the base,
+        every host holds the base occupant's result (a host sends a slot's next occupant only
+        then), so clear the base's buffer, dedup bitmaps and counters (its parity) and make
+        (partition, completed_round) the base (docs/dataplane.md, *Slots*). Call it BEFORE sending
+        the result of completed_round. Idempotent: returns False (and touches nothing) when the
+        slot's base is already that occupant or a later one.
 
-        ``nonzero``: offsets (from the partition's first index) of every non-zero entry of the
-        buffer being cleared, when the caller knows them (the DPU worker extracted them for the
-        result): only those are zeroed. A 25M-entry job's buffers are 200 MB a round; its non-zeros
-        a few MB. None zeroes the whole buffer."""
-        j = self._job(job_id)
+        ``nonzero``: offsets (from the first index of the *cleared* occupant's partition) of every
+        non-zero entry of the buffer being cleared, when the caller knows them (the DPU worker
+        extracted them for that result): only those are zeroed. None zeroes the whole buffer."""
+        j = job or self._job(job_id)
         i = self._ps_index(j, partition)
-        base = int(self.pstate["base_round"][i])
-        if completed_round <= base:
+        g = j.gen(partition, completed_round)
+        base = int(self.pstate["base_gen"][i])
+        if g <= base:
             return False
-        if completed_round != base + 1:
+        if g != base + 1:
+            bp, br = j.occupant(j.slot(partition), base)
             raise DosaError(f"cannot advance job {job_id} partition {partition} to round "
-                            f"{completed_round}: base round is {base}, only {base + 1} can complete")
-        par = base & 1
-        # base first: from now on a late copy of round `base` is too_old and touches nothing we clear
-        self.pstate["base_round"][i] = completed_round
-        self._clear_parity(j, partition, par, nonzero)
+                            f"{completed_round}: its slot {j.slot(partition)} holds partition {bp} "
+                            f"round {br}, only the occupant after it can complete")
+        # base first: from now on a late copy of occupant `base` is too_old and touches nothing we clear
+        self.pstate["base_gen"][i] = g
+        self._clear_parity(j, j.slot(partition), base & 1, nonzero)
         return True
 
-    def _clear_parity(self, j: JobInfo, partition: int, par: int, nonzero=None) -> None:
-        i = self._ps_index(j, partition)
-        buf = self.buffer(j.job_id, partition, par, job=j)
+    def _clear_parity(self, j: JobInfo, slot: int, par: int, nonzero=None) -> None:
+        i = j.pstate_off + slot
+        start = j.pool_off + (slot * 2 + par) * j.stride
+        buf = self.pool[start:start + j.stride]
         if nonzero is None:
             buf[:] = 0
         else:
             buf[nonzero] = 0
-        self.wstate[self._ws_slice(j, partition, par)] = 0
+        self.wstate[self._ws_slice(j, slot, par)] = 0
         self.pstate["workers_done"][i, par] = 0
         self.pstate["scale_tag"][i, par] = 0
 
@@ -308,7 +360,7 @@ class DataplaneMaps:
     def clear_job_state(self, j: JobInfo) -> None:
         """Zero the job's whole region (buffers, partition and worker states)."""
         self.pool[j.pool_off:j.pool_off + j.pool_len] = 0
-        self.pstate[j.pstate_off:j.pstate_off + j.num_owned] = 0
+        self.pstate[j.pstate_off:j.pstate_off + j.pstate_len] = 0
         self.wstate[j.wstate_off:j.wstate_off + j.wstate_len] = 0
 
     def put_job(self, j: JobInfo) -> None:

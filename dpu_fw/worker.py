@@ -153,13 +153,18 @@ class JobRuntime:
         ep.send(batch, rows, np.repeat(self.host_ip, n), np.repeat(self.host_port, n))
 
     def _settle(self, lp: int, rnd: int) -> None:
-        """Before round ``rnd``'s result goes out: if it is base_round + 1, every host has moved past
-        the base round, so clear that and advance (docs/protocol.md). Also called when answering a
-        retransmission, so a worker killed between a completion and its advance repairs itself."""
-        if rnd == self.backend.base_round(lp) + 1:
-            old = self.shadow.pop((lp, rnd - 1), None)
+        """Before (lp, rnd)'s result goes out: if it is the occupant after its slot's base (in
+        userspace mode every partition is its own slot and occupants are rounds), every host holds
+        the base's result (it sent (lp, rnd) only then), so clear the base and advance
+        (docs/dataplane.md, *Slots*). Also called when answering a retransmission, so a worker
+        killed between a completion and its advance repairs itself."""
+        if self.backend.is_next(lp, rnd):
+            prev = self.backend.previous(lp, rnd)
+            old = self.shadow.pop(prev, None)
             self.backend.advance(lp, rnd, None if old is None else old[1])
-            self.shadow.pop((lp, rnd - 2), None)
+            before = self.backend.previous(*prev) if prev is not None else None
+            if before is not None:
+                self.shadow.pop(before, None)
 
     def complete(self, lp: int, rnd: int, ep: UdpEndpoint) -> None:
         """Round ``rnd`` of local partition ``lp`` completed: advance if it was base+1, then emit."""
@@ -438,8 +443,11 @@ class UserspaceBackend:
     def __init__(self, state: MergeState):
         self.state = state
 
-    def base_round(self, lp):
-        return int(self.state.base_round[lp])
+    def is_next(self, lp, rnd):
+        return rnd == int(self.state.base_round[lp]) + 1
+
+    def previous(self, lp, rnd):
+        return (lp, rnd - 1) if rnd > 0 else None
 
     def in_window(self, lp, rnd):
         return self.state.in_window(lp, rnd)

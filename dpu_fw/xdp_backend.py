@@ -63,23 +63,39 @@ class XdpBackend:
 
         self.bias = layout.SCALE_TAG_BIAS
 
+    # local partition lp aggregates in slot lp % slots; (lp, rnd) is that slot's occupant number
+    # rnd * per_round + lp // slots (dataplane.maps.JobInfo, docs/dataplane.md *Slots*)
     def _ps(self, lp: int):
-        return self.maps.pstate[self.info.pstate_off + lp]
+        return self.maps.pstate[self.info.pstate_off + lp % self.info.slots]
 
-    def base_round(self, lp: int) -> int:
-        return int(self._ps(lp)["base_round"])
+    def _gen(self, lp: int, rnd: int) -> int:
+        return self.info.gen(int(self.owned[lp]), rnd)
+
+    def _base(self, lp: int) -> int:
+        return int(self._ps(lp)["base_gen"])
+
+    def is_next(self, lp: int, rnd: int) -> bool:
+        """(lp, rnd) is the occupant after its slot's base: completing it releases the base."""
+        return self._gen(lp, rnd) == self._base(lp) + 1
+
+    def previous(self, lp: int, rnd: int) -> tuple[int, int] | None:
+        """The occupant of lp's slot before (lp, rnd), as (local partition, round)."""
+        g = self._gen(lp, rnd)
+        if g == 0:
+            return None
+        p, r = self.info.occupant(lp % self.info.slots, g - 1)
+        return p // self.info.num_dpus, r
 
     def in_window(self, lp: int, rnd: int) -> bool:
-        b = self.base_round(lp)
-        return b <= rnd <= b + 1
+        b = self._base(lp)
+        return b <= self._gen(lp, rnd) <= b + 1
 
     def is_complete(self, lp: int, rnd: int) -> bool:
-        return self.in_window(lp, rnd) and int(self._ps(lp)["workers_done"][rnd & 1]) >= self.info.workers
+        return self.in_window(lp, rnd) and \
+            int(self._ps(lp)["workers_done"][self._gen(lp, rnd) & 1]) >= self.info.workers
 
     def missing_workers(self, lp: int, rnd: int) -> list[int]:
-        j = self.info
-        start = j.wstate_off + (lp * 2 + (rnd & 1)) * j.workers
-        ws = self.maps.wstate[start:start + j.workers]
+        ws = self.maps.worker_state(self.job_id, int(self.owned[lp]), rnd)
         total = ws["total"].astype(np.int64)
         missing = (total == 0) | (ws["received"].astype(np.int64) < total)
         return np.flatnonzero(missing).tolist()
@@ -88,18 +104,19 @@ class XdpBackend:
         return self.maps.buffer(self.job_id, int(self.owned[lp]), rnd, job=self.info)
 
     def scale_exp(self, lp: int, rnd: int) -> int:
-        tag = int(self._ps(lp)["scale_tag"][rnd & 1])
+        tag = int(self._ps(lp)["scale_tag"][self._gen(lp, rnd) & 1])
         return tag - self.bias if tag else 0
 
     def advance(self, lp: int, rnd: int, nonzero) -> None:
-        """``nonzero``: the global indices of the cleared round that were non-zero (the worker
-        extracted them for its result): only those entries are zeroed, not the whole partition
-        buffer (None, e.g. after a restart lost the shadow copy: the whole buffer)."""
-        p = int(self.owned[lp])
+        """``nonzero``: the global indices that were non-zero in the occupant being cleared (the
+        one before (lp, rnd) in its slot; the worker extracted them for its result): only those
+        entries are zeroed, not the whole buffer (None, e.g. after a restart lost the shadow
+        copy: the whole buffer)."""
         local = None
-        if nonzero is not None:
-            local = np.asarray(nonzero, np.int64) - p * self.info.partition_size
-        self.maps.advance(self.job_id, p, rnd, local)
+        prev = self.previous(lp, rnd)
+        if nonzero is not None and prev is not None:
+            local = np.asarray(nonzero, np.int64) - int(self.owned[prev[0]]) * self.info.partition_size
+        self.maps.advance(self.job_id, int(self.owned[lp]), rnd, local, job=self.info)
 
     def flush(self) -> None:
         pass
