@@ -23,8 +23,9 @@ DEFAULT_DATASET = "digits:size=64,channels=3"
 def _shares(dataset: str, batch_size: int, seed: int, spec: dict, epoch_cpu_seconds: float) -> dict:
     """How much of a host-only epoch's CPU time is augmentation and validation, each measured alone
     on the host. CPU time, not wall time: on a shared machine it is the figure that holds still."""
-    from host_lib.offload import LocalLoader, _local_metrics
-    from dpu_fw.offload.models import build_model
+    from examples.train_offload import _local_metrics
+    from host_lib.offload import LocalLoader
+    from host_lib.offload.models import build_model
 
     loader = LocalLoader(dataset, batch_size, seed, as_numpy=True)
     t0 = time.process_time()
@@ -64,7 +65,8 @@ def run(dataset: str = DEFAULT_DATASET, epochs: int = 3, rounds: int = 5, batch_
         nice: int = 0) -> dict:
     import torch
     from dpu_fw.offload._server import parse_cpus
-    from host_lib.offload import OffloadServices, default_model_spec, run_training
+    from examples.train_offload import default_model_spec, run_training
+    from host_lib.offload import OffloadServices
 
     dpu = parse_cpus(dpu_cpus) or set()
     avail = os.sched_getaffinity(0)

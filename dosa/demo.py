@@ -222,7 +222,7 @@ class LoopbackCluster:
 
     def offload_services(self, datasets_per_dpu: list[list[str]]) -> list:
         """One (not yet started) OffloadServices per DPU, on 127.0.0.1, pinned to the DPU CPUs."""
-        from dpu_fw.offload.launcher import OffloadServices
+        from host_lib.offload.launcher import OffloadServices
 
         return [OffloadServices(host="127.0.0.1", cpus=self.cpu_sets()[1], datasets=ds,
                                 startup_timeout=120.0) for ds in datasets_per_dpu]
@@ -364,7 +364,7 @@ class TestbedCluster:
     def offload_services(self, datasets_per_dpu: list[list[str]]) -> list:
         """One (not yet started) OffloadServices per DPU: inside the DPU's namespace, listening on
         its fabric address, pinned to the testbed's DPU CPUs."""
-        from dpu_fw.offload.launcher import OffloadServices
+        from host_lib.offload.launcher import OffloadServices
 
         st = self.tb.load_state() or {}
         nodes = self.tb.layout(st).dpu_nodes
@@ -467,7 +467,7 @@ def write_shards(dataset: str, hosts: int, seed: int, directory: Path) -> str:
     it the same way (the DPU reads the shared disk, as it would read its own)."""
     import numpy as np
 
-    from dpu_fw.offload.datasets import load_dataset
+    from host_lib.offload.datasets import load_dataset
 
     ds = load_dataset(dataset)
     n = len(ds.train) // hosts

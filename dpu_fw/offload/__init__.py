@@ -1,5 +1,4 @@
-"""Dataflow offload: data augmentation and validation on the DPU's cores.
-
-``augment`` is the one augmentation pipeline (local and offloaded paths share it), ``service`` and
-``validation`` are the two servers, ``protocol`` frames their TCP stream, ``models`` is the model
-family the validation side can rebuild. The host side is host_lib.offload."""
+"""Dataflow offload, the DPU side: the two servers on the DPU's cores, ``service`` (augmentation)
+and ``validation``, on ``_server``'s accept loop. What host and DPU share (the augmentation
+pipeline, the TCP framing, datasets, the model family, the evaluation) is host_lib.offload's,
+one layer below, so the host side never imports this package."""

@@ -25,11 +25,11 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from dosa.errors import DosaError
+from host_lib.offload.augment import AugmentConfig, make_pipeline
+from host_lib.offload.datasets import load_dataset
+from host_lib.offload.protocol import ConnectionClosed, FrameError, recv_message, send_message
 
 from . import _server
-from .augment import AugmentConfig, make_pipeline
-from .datasets import load_dataset
-from .protocol import ConnectionClosed, FrameError, recv_message, send_message
 
 DEFAULT_PORT = 17801
 DEFAULT_PREFETCH = 8

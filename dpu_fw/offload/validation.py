@@ -6,8 +6,9 @@ Requests on a connection (framing in protocol.py); several may be in flight, ans
       -> ``metrics`` {job, epoch, loss, accuracy, samples, seconds}
       -> ``failed``  {job, message}   (a bad snapshot fails that job only; the connection stays)
 
-``evaluate_snapshot`` is the single evaluation path: the service calls it, and so does a host that
-evaluates locally (fallback, or to check the service), hence equal snapshots give equal metrics.
+The evaluation itself is host_lib.offload.evaluate.evaluate_snapshot, the single evaluation path:
+the service calls it, and so does a host that evaluates locally (fallback, or to check the
+service), hence equal snapshots give equal metrics.
 """
 from __future__ import annotations
 
@@ -17,40 +18,15 @@ import socket
 import threading
 import time
 
-import numpy as np
-
 from dosa.errors import DosaError
+from host_lib.offload.evaluate import DEFAULT_BATCH, evaluate_snapshot, validation_batches
+from host_lib.offload.models import check_spec
+from host_lib.offload.protocol import ConnectionClosed, FrameError, recv_message, send_message
 
 from . import _server
-from .augment import make_pipeline
-from .models import build_model, check_spec, evaluate, load_arrays
-from .protocol import ConnectionClosed, FrameError, recv_message, send_message
 
 DEFAULT_PORT = 17802
-DEFAULT_BATCH = 256
 MAX_QUEUED = 16  # snapshots waiting per connection before the host feels backpressure
-
-_cache_lock = threading.Lock()
-_val_batches: dict[tuple[str, int], list] = {}
-
-
-def validation_batches(dataset: str, batch_size: int = DEFAULT_BATCH) -> list:
-    """The normalized validation batches (computed once per dataset and batch size)."""
-    key = (dataset, batch_size)
-    with _cache_lock:
-        if key not in _val_batches:
-            pipe = make_pipeline(dataset, "val", batch_size, 0, None)
-            _val_batches[key] = [pipe.batch(0, b)[:2] for b in range(len(pipe))]
-        return _val_batches[key]
-
-
-def evaluate_snapshot(spec: dict, arrays: dict[str, np.ndarray], dataset: str,
-                      batch_size: int = DEFAULT_BATCH) -> dict:
-    """Rebuild the model from ``spec`` + ``arrays`` and evaluate it on the validation split."""
-    model = build_model(spec)
-    load_arrays(model, arrays)
-    return evaluate(model, validation_batches(dataset, batch_size))
-
 
 class ValidationServer(_server.Server):
     name = "validate"

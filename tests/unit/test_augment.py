@@ -1,4 +1,4 @@
-"""The augmentation pipeline (dpu_fw/offload/augment.py), the dataset specs and the service framing:
+"""The augmentation pipeline (host_lib/offload/augment.py), the dataset specs and the service framing:
 pure functions, no services, no privilege."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from dosa.errors import DosaError
-from dpu_fw.offload import protocol
-from dpu_fw.offload.augment import AugmentConfig, BatchPipeline, augment_batch, make_pipeline
-from dpu_fw.offload.datasets import Split, load_dataset
+from host_lib.offload import protocol
+from host_lib.offload.augment import AugmentConfig, BatchPipeline, augment_batch, make_pipeline
+from host_lib.offload.datasets import Split, load_dataset
 
 DS = "digits:size=16,channels=2"
 

@@ -9,9 +9,9 @@ import warnings
 import numpy as np
 import pytest
 
-from dpu_fw.offload.augment import AugmentConfig, make_pipeline
-from dpu_fw.offload.models import build_model, state_arrays
-from dpu_fw.offload.validation import evaluate_snapshot
+from host_lib.offload.augment import AugmentConfig, make_pipeline
+from host_lib.offload.models import build_model, state_arrays
+from host_lib.offload.evaluate import evaluate_snapshot
 from host_lib.offload import (OffloadedLoader, OffloadedValidator, OffloadFallbackWarning,
                               OffloadServices, ServiceLost, ServiceRefused)
 

@@ -1,5 +1,5 @@
 """Host side of the dataflow offload: a loader fed by the DPU's augmentation service, a validator
-that has the DPU evaluate model snapshots, and the helpers that start those services.
+that has the DPU evaluate model snapshots (OffloadServices, which starts those services, is launcher.py's).
 
 Example::
 
@@ -17,7 +17,7 @@ Example::
 
 Exactness on failure: a batch counts as delivered only once it has arrived whole; after a failure the
 loader continues (locally with ``fallback=True``, else it raises) from the next undelivered batch
-index. Since a batch is a pure function of (seed, epoch, index) (see dpu_fw/offload/augment.py), no
+index. Since a batch is a pure function of (seed, epoch, index) (see host_lib/offload/augment.py), no
 batch of the epoch is lost or repeated, and the fallback batches are bit-identical to the service's.
 """
 from __future__ import annotations
@@ -26,18 +26,16 @@ import concurrent.futures as cf
 import itertools
 import socket
 import threading
-import time
 import warnings
 
 import numpy as np
 
 from dosa.errors import DosaError
-from dpu_fw.offload.augment import AugmentConfig, make_pipeline
-from dpu_fw.offload.launcher import OffloadServices
-from dpu_fw.offload.models import check_spec, state_arrays
-from dpu_fw.offload.protocol import (ConnectionClosed, FrameError, OffloadError, connect,
-                                     recv_message, send_message)
-from dpu_fw.offload.validation import DEFAULT_BATCH, evaluate_snapshot
+
+from .augment import AugmentConfig, make_pipeline
+from .evaluate import DEFAULT_BATCH, evaluate_snapshot
+from .models import check_spec, state_arrays
+from .protocol import ConnectionClosed, FrameError, OffloadError, connect, recv_message, send_message
 
 
 class ServiceLost(OffloadError):
@@ -61,7 +59,7 @@ class OffloadedLoader:
 
     Args:
         address: "host:port" of the augmentation service.
-        dataset: dataset spec (see dpu_fw/offload/datasets.py), loaded by the service itself.
+        dataset: dataset spec (see host_lib/offload/datasets.py), loaded by the service itself.
         batch_size, seed: as for the local pipeline; the same values give bit-identical batches.
         augment: an AugmentConfig, a dict of its fields, or None for no augmentation/no shuffling.
         fallback: on service failure, warn once and continue locally from the next batch; when
@@ -288,7 +286,7 @@ class OffloadedValidator:
     def submit(self, model_or_state, epoch=None, spec: dict | None = None) -> ValidationHandle:
         """Snapshot ``model_or_state`` now (training may go on changing it) and have it evaluated.
 
-        ``spec`` defaults to ``model.spec`` (models built by dpu_fw.offload.models carry it)."""
+        ``spec`` defaults to ``model.spec`` (models built by host_lib.offload.models carry it)."""
         spec = check_spec(spec if spec is not None else getattr(model_or_state, "spec", None))
         arrays = state_arrays(model_or_state)
         handle = ValidationHandle(next(self._jobs), epoch)
@@ -417,95 +415,3 @@ class LocalLoader:
                 import torch
                 x, y = torch.from_numpy(x), torch.from_numpy(y)
             yield (x, y, ids) if self.return_ids else (x, y)
-
-
-def default_model_spec(dataset: str, hidden=(128,)) -> dict:
-    """An MLP spec fitting ``dataset``'s images (what the demo and the benchmark train)."""
-    from dpu_fw.offload.datasets import load_dataset
-    ds = load_dataset(dataset)
-    return {"family": "mlp", "in_shape": list(ds.train.image_shape), "classes": ds.classes,
-            "hidden": list(hidden)}
-
-
-def run_training(dataset: str = "digits", model_spec: dict | None = None, epochs: int = 3,
-                 batch_size: int = 64, seed: int = 0, lr: float = 0.05,
-                 offload: "OffloadServices | bool | None" = None, cpus: str | None = None,
-                 fallback: bool = True, augment: AugmentConfig | None = AugmentConfig(),
-                 log=None) -> dict:
-    """Train a model from dpu_fw.offload.models with validation after every epoch.
-
-    Args:
-        offload: None/False: augmentation and validation on the host (LocalLoader + local
-            evaluation). True: start the services (pinned to ``cpus``) for the run and stop them
-            after. An OffloadServices already started: use its addresses.
-        log: called with one line per epoch (e.g. ``print``), or None.
-
-    Returns {"epochs": [{epoch, seconds, train_loss, val_loss, val_accuracy}], "seconds": total,
-    "cpu_seconds": the host process's CPU time, "offloaded": bool, "fell_back": bool}. The total
-    includes waiting for the last validation.
-    """
-    import torch
-    from dpu_fw.offload.models import build_model
-
-    if offload is True:
-        with OffloadServices(cpus=cpus, datasets=[dataset]) as svc:
-            return run_training(dataset, model_spec, epochs, batch_size, seed, lr, svc, cpus,
-                                fallback, augment, log)
-    spec = model_spec or default_model_spec(dataset)
-    torch.manual_seed(seed)
-    model = build_model(spec)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    if offload:
-        loader = OffloadedLoader(offload.augment_address, dataset=dataset, batch_size=batch_size,
-                                 seed=seed, augment=augment, fallback=fallback)
-        validator = OffloadedValidator(offload.validate_address, dataset=dataset, fallback=fallback)
-    else:
-        loader = LocalLoader(dataset, batch_size, seed, augment)
-        validator = None
-    rows, pending = [], []
-    start, cpu_start = time.perf_counter(), time.process_time()
-    try:
-        for epoch in range(epochs):
-            t0 = time.perf_counter()
-            loader.set_epoch(epoch)
-            model.train()
-            loss_sum, n = 0.0, 0
-            for x, y in loader:
-                opt.zero_grad(set_to_none=True)
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-                loss_sum += loss.item() * len(y)
-                n += len(y)
-            row = {"epoch": epoch, "train_loss": loss_sum / max(n, 1)}
-            if validator is not None:
-                pending.append((row, validator.submit(model, epoch)))
-            else:
-                row.update(_local_metrics(model, spec, dataset))
-            row["seconds"] = time.perf_counter() - t0
-            rows.append(row)
-            if log and validator is None:
-                log(_epoch_line(row))
-        for row, handle in pending:
-            m = handle.result(timeout=600)
-            row.update(val_loss=m["loss"], val_accuracy=m["accuracy"])
-            if log:
-                log(_epoch_line(row))
-    finally:
-        if validator is not None:
-            validator.close()
-        if isinstance(loader, OffloadedLoader):
-            loader.close()
-    return {"epochs": rows, "seconds": time.perf_counter() - start,
-            "cpu_seconds": time.process_time() - cpu_start, "offloaded": bool(offload),
-            "fell_back": bool(offload) and (loader.fell_back or validator.fell_back)}
-
-
-def _local_metrics(model, spec, dataset) -> dict:
-    m = evaluate_snapshot(spec, state_arrays(model), dataset)
-    return {"val_loss": m["loss"], "val_accuracy": m["accuracy"]}
-
-
-def _epoch_line(row) -> str:
-    return (f"epoch {row['epoch']}: train loss {row['train_loss']:.4f}, val loss {row['val_loss']:.4f}, "
-            f"val accuracy {row['val_accuracy']:.3f} ({row['seconds']:.2f} s on the host)")

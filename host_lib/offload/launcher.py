@@ -1,6 +1,6 @@
 """Start the offload services as subprocesses: the DPU side, pinned to its cores and optionally
-inside its network namespace. Used by tests, the benchmark and the demo (re-exported by
-host_lib.offload)."""
+inside its network namespace (the services are dpu_fw/offload, started by module name, so
+nothing here imports the DPU side). Used by tests, the benchmark and the demo."""
 from __future__ import annotations
 
 import os
