@@ -82,7 +82,10 @@ def cmd_run(args) -> int:
                 # maps first, then the control plane's fuller view overrides: read the other way
                 # round, a join landing between the two reads would let the maps' partial view win
                 got = {j.job_id: j for j in jobs_from_maps(worker.maps, bind, args.gtopk_density)}
-                got.update({j.job_id: j for j in from_control()})
+                ctl = from_control()
+                if ctl is None:  # unreachable this time: do not take the maps' view for the truth
+                    return None
+                got.update({j.job_id: j for j in ctl})
                 return list(got.values())
         else:
             discover = from_control
@@ -130,8 +133,9 @@ def cmd_run(args) -> int:
 
 
 def _control_discovery(control, bind):
-    """Jobs the control plane knows whose every worker has joined. This DPU's index in a job is its
-    position in the job's DPU list (matched by address): DpuWorker.add_job checks it per job."""
+    """Jobs the control plane knows whose every worker has joined (None when it cannot be asked:
+    the worker then changes nothing). This DPU's index in a job is its position in the job's DPU
+    list (matched by address): DpuWorker.add_job checks it per job."""
     from dosa.join import request
 
     from dosa.job import JobConfig
@@ -143,13 +147,11 @@ def _control_discovery(control, bind):
             views = request(control, "GET", "/v1/jobs", timeout=2.0).get("jobs", [])
         except DosaError as e:
             log.warning("%s", e)
-            return []
+            return None
         out = []
         for v in views:
-            if not v.get("complete"):
-                continue
-            try:
-                out.append(JobConfig.from_view(v))
+            try:  # incomplete ones too (None hosts): the worker keeps serving a job members leave
+                out.append(JobConfig.from_view(v, partial=True))
             except DosaError as e:
                 log.warning("%s", e)
         return out

@@ -41,6 +41,9 @@ MODES = ("userspace", "xdp")
 #: right after the fan-out the result is still on its way, and a host that asked before it arrived
 #: would otherwise double the DPU's send load exactly when it is busiest.
 ANSWER_GUARD = 0.1
+#: Seconds during which a missing worker is not NACKed again for the same (partition, round): one
+#: NACK per asker's timer would make it resend its contribution once per other host.
+NACK_GUARD = 0.002
 #: Completed partitions whose results are built and sent per sendmmsg batch: results then flow to the
 #: hosts while the rest are built (a host seeing no progress for its retransmission interval asks again).
 EMIT_CHUNK = 32
@@ -52,6 +55,7 @@ class JobRuntime:
 
     def __init__(self, job: JobConfig, dpu_index: int, backend):
         self.job = job
+        self.dpu_index = dpu_index
         pmap = job.pmap
         self.pmap = pmap
         self.owned = pmap.owned_by(dpu_index)
@@ -72,6 +76,7 @@ class JobRuntime:
         self.saturated = 0
         self._answered: dict[tuple[int, int, int], float] = {}
         self._emitted: dict[tuple[int, int], float] = {}
+        self._nacked: dict[tuple[int, int, int], float] = {}
 
     def _sums(self, lp: int, rnd: int):
         """(indices, sums to send, all non-zero indices) of (lp, rnd) from its buffer."""
@@ -181,11 +186,23 @@ class JobRuntime:
             return "retx_too_old"
         p = int(self.owned[lp])
         if not self.backend.is_complete(lp, rnd):
-            item = (p, rnd, worker, self.backend.missing_workers(lp, rnd))
+            missing = self.backend.missing_workers(lp, rnd)
+            items = [(p, rnd, worker, missing)]
+            # NACK: others are done, these are not: tell each missing worker at once (a STATUS
+            # naming it makes it resend its data) instead of waiting for its own timer
+            if len(missing) < self.job.workers:
+                now = time.monotonic()
+                for m in missing:
+                    if m != worker and 0 <= m < len(self.host_ip) and \
+                            now - self._nacked.get((lp, rnd, m), -1.0) > NACK_GUARD:
+                        self._nacked[(lp, rnd, m)] = now
+                        items.append((p, rnd, m, [m]))
+                if len(self._nacked) > 65536:
+                    self._nacked = {k: v for k, v in self._nacked.items() if now - v < NACK_GUARD}
             if statuses is not None:
-                statuses.append(item)  # the caller sends them all in one batch
+                statuses.extend(items)  # the caller sends them all in one batch
             else:
-                self.send_statuses([item], ep)
+                self.send_statuses(items, ep)
             return "status_sent"
         if seqs is None or not len(seqs):
             now = time.monotonic()
@@ -248,6 +265,7 @@ class DpuWorker:
         self._stop = threading.Event()
         self.maps = None
         self.discover = discover
+        self._static = {j.job_id for j in jobs}  # given at start: never dropped by discovery
         self._next_discover = 0.0
         self.jobs: dict[int, JobRuntime] = {}
         if mode == "xdp":
@@ -298,8 +316,17 @@ class DpuWorker:
             return
         self._next_discover = now + 0.5
         me = self.ep.address if hasattr(self, "ep") else None
-        for j in self.discover():
-            if j.job_id in self.jobs:
+        found = self.discover()
+        if found is None:  # the source could not be read this time: change nothing
+            return
+        # a job released by the control plane is gone from the source: stop serving it; one
+        # re-created under the same id (another run) differs or reappears: serve it afresh
+        seen = {j.job_id: j for j in found}
+        for job_id in [i for i, rt in self.jobs.items() if i not in self._static and
+                       (i not in seen or (seen[i].complete and seen[i] != rt.job))]:
+            self.drop_job(job_id)
+        for j in found:
+            if j.job_id in self.jobs or not j.complete:  # incomplete: members joining or leaving
                 continue
             di = self.dpu_index
             if me is not None:
@@ -310,6 +337,19 @@ class DpuWorker:
                 self.add_job(j, di)
             except DosaError as e:
                 log.warning("cannot serve job %d: %s", j.job_id, e)
+
+    def drop_job(self, job_id: int) -> None:
+        """Stop serving ``job_id`` (released): its shadow copies go, and in userspace mode its
+        merge state (also the files under ``state_dir``: a later job of the same id starts clean)."""
+        rt = self.jobs.pop(job_id, None)
+        if rt is None:
+            return
+        rt.backend.flush()
+        if self.mode == "userspace" and self.state_dir is not None:
+            import shutil
+
+            shutil.rmtree(f"{self.state_dir}/job{job_id}-dpu{rt.dpu_index}", ignore_errors=True)
+        log.info("DPU %d no longer serves job %d (released)", rt.dpu_index, job_id)
 
     # ------------------------------------------------------------------ main loop
     def stop(self, *_):

@@ -26,15 +26,16 @@ def jobs_from_maps(maps, my_addr: tuple[str, int], density: float = 0.01) -> lis
     """JobConfigs of every job installed in the dataplane, built from its maps alone (jobs +
     flows): what a worker started without a job file serves. Other DPUs' addresses are not in this
     DPU's maps and a worker never needs them: they are left as 0.0.0.0; this DPU's own address
-    sits at its index, which is how the worker finds which partitions it owns."""
+    sits at its index, which is how the worker finds which partitions it owns. Jobs whose workers
+    have not all joined come with None hosts."""
     from dataplane.maps import MODE_GTOPK
 
     out = []
     for j in maps.jobs():
         flows = maps.flows(j.job_id)
-        if len(flows) < j.workers:
-            continue  # not every worker has joined yet: nothing can complete
-        hosts = [flows[(j.job_id, w)] for w in range(j.workers)]
+        # a worker that has not joined yet (or has left) is None: the DPU worker starts serving a
+        # job once it is complete and keeps serving it while its members leave at the end
+        hosts = [flows.get((j.job_id, w)) for w in range(j.workers)]
         dpus = [("0.0.0.0", my_addr[1])] * j.num_dpus
         dpus[j.dpu_index] = my_addr
         out.append(JobConfig(job_id=j.job_id, numel=j.numel, hosts=hosts,

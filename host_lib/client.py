@@ -31,6 +31,8 @@ from dosa.wire import Flags, HEADER_DTYPE, PacketBatch, PacketType
 
 from .packetizer import packetize, packetize_control, parse_batch
 from .encoder import RoundEncoder
+from .membership import Membership, StaleJobError, new_session
+from .rto import RttEstimator
 from .quantize import choose_scale_exp, clip_bound, dequantize
 from . import _net
 from .transport import UdpEndpoint
@@ -87,7 +89,10 @@ class AggregationClient:
             jkw = dict(join or {})
             if numel is not None:
                 jkw.setdefault("numel", int(numel))
-            job = join_via_control(control, worker_id, **jkw)
+            session = new_session()
+            job, view = join_via_control(control, worker_id, session=session, return_view=True, **jkw)
+            # heartbeats and leave: the job ends with this client, or with its lease (a crash)
+            self.membership = Membership(control, job, worker_id, session, view.get("generation"))
         if not 0 <= worker_id < job.workers:
             raise DosaError(f"worker_id {worker_id} outside 0..{job.workers - 1} for job {job.job_id}")
         if timeout <= 0 or retx_interval <= 0 or window < 1:
@@ -119,6 +124,8 @@ class AggregationClient:
         self._encoder: RoundEncoder | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.retransmissions = 0
+        #: the retransmission timer, from the round trips this client measured (host_lib/rto.py)
+        self.rtt = RttEstimator(self.retx_interval)
         self._rng = np.random.default_rng() if shuffle_sends else None
         self.last_missing: dict[int, list[int]] = {}
         #: CPU seconds (this thread's, user + sys) spent per phase of the rounds, summed over rounds:
@@ -227,10 +234,15 @@ class AggregationClient:
 
         return SparseStream(self, int(scale_exp))
 
+    #: no heartbeat-based membership unless joined through the control plane
+    membership: Membership | None = None
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self.membership is not None:
+            self.membership.close()  # leave the job: the last one out releases it
         self.ep.close()
 
     def __enter__(self):
@@ -271,6 +283,8 @@ class _Round:
         self.released = P  # partitions [0, released) may be sent (a SparseStream releases them in ranges)
         self.missing: dict[int, list[int]] = {}
         self.status_at = np.full(P, -np.inf)  # when the last STATUS of each partition arrived
+        self.resent = np.zeros(P, bool)  # data resent or re-requested: no RTT sample (Karn)
+        self.last_resend = np.full(P, -np.inf)
 
     def run(self) -> tuple[np.ndarray, np.ndarray]:
         c = self.c
@@ -279,12 +293,14 @@ class _Round:
         while not self.done.all():
             self._fill_window()
             t = c._phase("send", t)
-            b, sip, _ = c.ep.recv(min(c.retx_interval / 2, 0.02))
+            b, sip, _ = c.ep.recv(min(c.rtt.rto / 2, 0.02))
             t = c._phase("receive", t)
             if len(b) and self._absorb(b, sip):
                 last_progress = time.monotonic()
             t = c._phase("absorb", t)
             now = time.monotonic()
+            if now - last_progress > STALL_CHECK_S and c.membership is not None:
+                self._check_members(now - last_progress)
             if now - last_progress > c.timeout:
                 self._fail()
             self._retransmit(now, last_progress)
@@ -371,7 +387,11 @@ class _Round:
         self.raw.append(b.data[res])
         self.raw_key.append(key)
         self.raw_count.append(hv["count"][res].astype(np.int64))
+        was = self.done[p]
         self.done |= (self.res_total > 0) & (self.res_got >= self.res_total)
+        fresh = p[~was & self.done[p] & (self.tries[p] == 0) & ~self.resent[p]]
+        if len(fresh):  # one RTT sample per batch: the slowest partition that completed in it
+            self.c.rtt.sample(time.monotonic() - float(self.last_tx[fresh].min()))
         return True
 
     def _statuses(self, parsed) -> None:
@@ -384,7 +404,8 @@ class _Round:
             self.missing[p] = ws
             self.status_at[p] = time.monotonic()
             self.unanswered[p] = 0
-            if self.c.worker_id in ws and not self.done[p]:
+            if self.c.worker_id in ws and not self.done[p] and self.sent[p] and \
+                    time.monotonic() - self.last_resend[p] > self.c.rtt.rto / 2:
                 need.append(p)
         if need:  # the DPU lacks (part of) our contribution: it was lost, resend it
             self._resend_data(np.unique(need))
@@ -402,7 +423,10 @@ class _Round:
         c = self.c
         backoff = 2.0 ** np.minimum(self.tries, 1)
         since = now - np.maximum(self.last_tx, last_progress)
-        due = np.flatnonzero(self.sent & ~self.done & (since > c.retx_interval * backoff))
+        # a visible gap (some of the partition's result packets are in, not all): ask sooner
+        rto = c.rtt.rto
+        wait = np.where(self.res_got > 0, rto / 2, rto) * backoff
+        due = np.flatnonzero(self.sent & ~self.done & (since > wait))
         if not len(due):
             return
         nores = due[self.res_got[due] == 0]
@@ -435,6 +459,8 @@ class _Round:
         hdr["flags"][r] = hdr["flags"][r] | int(Flags.RETRANSMIT)
         self._send(r)
         self.unanswered[parts] = 0
+        self.resent[parts] = True
+        self.last_resend[parts] = time.monotonic()
         self.c.retransmissions += len(r)
 
     def _send_retx_all(self, parts: np.ndarray) -> None:
@@ -449,6 +475,31 @@ class _Round:
         h = wire.Header(type=PacketType.RETX_REQUEST, job_id=self.c.job.job_id,
                         worker_id=self.c.worker_id, partition=p, round=self.c.round, seq=0, total=1)
         return wire.build_packet(h, seqs), int(self.owner[p])
+
+    def _check_members(self, stalled: float) -> None:
+        """The round stalls: if the control plane says this host's job is gone, or a member the
+        DPU is waiting for is dead or has left, say so now (not after the no-progress timeout)."""
+        c = self.c
+        m = c.membership
+        if m.broken is not None:
+            raise StaleJobError(f"allreduce round {c.round} of job {c.job.job_id} cannot complete: "
+                                f"{m.broken}")
+        got = m.problem()
+        if got is None:
+            return
+        msg, who = got
+        now = time.monotonic()
+        stuck = np.flatnonzero(self.sent & ~self.done)
+        fresh = [p for p in stuck.tolist() if now - self.status_at[p] < 1.0]
+        waited = {w for p in fresh for w in self.missing.get(p, [])}
+        # a member that is gone only matters if the DPU still waits for it (one that crashed or
+        # left after delivering does not block this round; results may still be on their way)
+        named = sorted(set(who) & waited)
+        if not named:
+            return
+        c.last_missing = {int(p): self.missing.get(int(p), []) for p in fresh}
+        raise MissingWorkersError(
+            f"allreduce round {c.round} of job {c.job.job_id} stalled for {stalled:.1f} s: {msg}", named)
 
     def _fail(self):
         """Raise the round's timeout, naming the workers the DPUs reported missing recently (a
@@ -473,6 +524,10 @@ class _Round:
             f"{len(stuck)} partition(s) incomplete ({shown}); " + "; ".join(parts), missing)
 
 
+#: seconds without progress after which a round asks its membership whether a member is gone
+STALL_CHECK_S = 0.5
+
+
 class MissingWorkersError(DosaError):
     """A round timed out; ``missing`` lists the worker ids the DPU(s) reported as not delivered."""
 
@@ -492,7 +547,7 @@ def local_address_towards(addr: str) -> str:
 
 def join_via_control(control, worker_id: int, numel=None, *, job_id: int | None = None,
                      address: str | None = None, port: int | None = None, workers=None, dpus=None,
-                     wait: float = 60.0, **shape) -> JobConfig:
+                     wait: float = 60.0, return_view: bool = False, **shape) -> JobConfig:
     """Join a job through the control plane's API (control.api) and return its JobConfig.
 
     Blocks until every worker has joined (at most ``wait`` s): results fan out to every host, so a
@@ -517,4 +572,5 @@ def join_via_control(control, worker_id: int, numel=None, *, job_id: int | None 
     if dpus:
         body["dpus"] = list(dpus)
     view = join_raw(ctl, job_id, address, port, worker_id, wait, **body)
-    return JobConfig.from_view(view)
+    job = JobConfig.from_view(view)
+    return (job, view) if return_view else job

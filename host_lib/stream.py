@@ -27,7 +27,7 @@ import numpy as np
 from dosa.errors import DosaError
 from dosa.wire import HEADER_DTYPE, MAX_PACKETS_PER_CONTRIBUTION, PacketBatch
 
-from .client import _Round
+from .client import STALL_CHECK_S, _Round
 from .packetizer import packetize
 
 
@@ -99,12 +99,14 @@ class SparseStream(_Round):
                     if self.released == self.P and self.done.all():
                         break
                     self._fill_window()
-                b, sip, _ = c.ep.recv(min(c.retx_interval / 2, 0.005))
+                b, sip, _ = c.ep.recv(min(c.rtt.rto / 2, 0.005))
                 with self._lock:
                     if len(b) and self._absorb(b, sip):
                         self._progress = time.monotonic()
                         self._complete_waiters()
                     now = time.monotonic()
+                    if now - self._progress > STALL_CHECK_S and c.membership is not None:
+                        self._check_members(now - self._progress)  # a dead member: say so now
                     if now - self._progress > c.timeout:
                         self._fail()
                     self._retransmit(now, self._progress)

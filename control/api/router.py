@@ -21,6 +21,7 @@ NUM = object()
 ROUTES = [
     ("POST", ("join",), lambda s, h: s.join(h.body())),
     ("POST", ("leave",), lambda s, h: s.leave(h.body())),
+    ("POST", ("heartbeat",), lambda s, h: s.heartbeat(h.body())),
     ("POST", ("jobs",), lambda s, h: s.create_job(h.body())),
     ("GET", ("jobs",), lambda s, h: s.list_jobs()),
     ("GET", ("jobs", NUM), lambda s, h, job_id: s.get_job(job_id)),
@@ -133,6 +134,7 @@ class ControlServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        self.service.close()
         if self._thread:
             self._thread.join(5)
 

@@ -10,6 +10,8 @@ from dosa.errors import DosaError
 from dosa.job import JobConfig
 
 from ..alloc import AdmissionError
+from . import lifecycle
+from .lease import Leases
 from .peers import Peers, registry_body
 from .persistence import load_jobs, save_jobs
 from .rendezvous import assign_rank, wait_complete
@@ -24,7 +26,8 @@ class ControlService:
 
     def __init__(self, controller=None, address: str = "127.0.0.1", data_port: int = wire.DEFAULT_PORT,
                  control_port: int = DEFAULT_CONTROL_PORT, peer_timeout: float = 5.0,
-                 state_path: str | None = None):
+                 state_path: str | None = None, lease_s: float | None = None,
+                 dead_after: float | None = None, sweep: bool = True):
         self.controller = controller
         self.address = address
         self.data_port = data_port
@@ -37,7 +40,21 @@ class ControlService:
         self._cv = threading.Condition(threading.RLock())
         self._op = threading.Lock()
         self.state_path = state_path
+        # job lifecycle (control/api/lifecycle.py): leases of the members that joined through this
+        # server, each job's generation, when and why an id was released
+        self.leases = Leases(**{k: v for k, v in (("lease_s", lease_s), ("dead_after", dead_after))
+                                if v is not None})
+        self.generations: dict[int, int] = {}
+        self.released_at: dict[int, float] = {}
+        self.gone: dict[int, str] = {}
         self._load()
+        self._sweeper = lifecycle.Sweeper(self) if sweep else None
+
+    def close(self) -> None:
+        """Stop the lease sweeper (the registry stays as it is)."""
+        if self._sweeper is not None:
+            self._sweeper.stop()
+            self._sweeper = None
 
     # ----------------------------------------------------------------------------- persistence
     def _load(self) -> None:
@@ -48,6 +65,9 @@ class ControlService:
                     and self.controller.maps.job_info(job.job_id) is None:
                 continue
             self.jobs[job.job_id] = job
+            lifecycle.note_created(self, job.job_id)
+            for w in job.joined:  # a fresh lease each, adopted by the first session that beats
+                self.leases.grant(job.job_id, w, None)
 
     def _save(self) -> None:
         save_jobs(self.state_path, self.jobs.values())
@@ -75,11 +95,13 @@ class ControlService:
             with self._cv:
                 if job.job_id in self.jobs:
                     raise ApiError(409, f"job {job.job_id} already exists")
+            lifecycle.wait_reusable(self, job.job_id)
             self._install_job(job)
             with self._cv:
                 self.jobs[job.job_id] = job
+                lifecycle.note_created(self, job.job_id)
                 self._save()
-                return job.view()
+                return lifecycle.decorate(self, job.view())
 
     def join(self, req: dict) -> dict:
         if not isinstance(req, dict):
@@ -87,13 +109,21 @@ class ControlService:
         job_id = req_int(req, "job_id", 1, 2**32 - 1)
         address = req_addr(req.get("address"), "address")
         wait = req_wait(req)
+        session = lifecycle.req_session(req)
         # _op: one fan-out at a time from this server (HTTP to peers happens under it, never under
         # _cv, which every server's /v1/local/* handlers take: two DPUs coordinating joins at once
         # cannot deadlock each other)
         with self._op:
             with self._cv:
                 job = self.jobs.get(job_id)
+            if job is not None and lifecycle.reclaim_for_join(
+                    self, job, req.get("worker_id", req.get("rank")), session, wait):
+                if "numel" not in req or "workers" not in req:  # re-create it in its own shape
+                    req = {**registry_body(job), "job_port": job.port, **req}
+                    req["dpus"] = [{"address": a, "port": p} for a, p in job.dpus]
+                job = None
             if job is None:
+                lifecycle.wait_reusable(self, job_id)
                 if "numel" not in req or "workers" not in req:
                     raise ApiError(404, f"job {job_id} does not exist (a first joiner must give numel "
                                         "and workers to create it)")
@@ -101,6 +131,7 @@ class ControlService:
                 self._install_job(job)
                 with self._cv:
                     self.jobs[job_id] = job
+                    lifecycle.note_created(self, job_id)
                     self._save()
             else:
                 check_same_shape(job, req)
@@ -128,11 +159,16 @@ class ControlService:
                                    "/v1/local/flows", flow, undo)
             with self._cv:
                 job.hosts[wid] = (address, port)  # already there when this server is a DPU of the job
+                if session is not None:
+                    self.leases.grant(job_id, wid, session)
                 self._save()
                 self._cv.notify_all()
         with self._cv:
             wait_complete(self._cv, job, wait)
-            return job.view(wid)
+            if self.jobs.get(job_id) is not job:
+                raise ApiError(409, f"job {job_id} was released while this worker waited for the "
+                                    f"others ({self.gone.get(job_id, 'removed')})")
+            return lifecycle.decorate(self, job.view(wid))
 
     def leave(self, req: dict) -> dict:
         job_id = req_int(req, "job_id", 1, 2**32 - 1)
@@ -142,26 +178,36 @@ class ControlService:
                 job = self._job(job_id)
                 if wid >= job.workers or job.hosts[wid] is None:
                     raise ApiError(404, f"worker {wid} is not a member of job {job_id}")
+                session = lifecycle.req_session(req)
+                held = self.leases.session(job_id, wid)
+                if session is not None and held is not None and held != session:
+                    raise ApiError(409, f"worker {wid} of job {job_id} is held by another run now")
             self.peers.on_all_dpus(job, lambda i: self.local_remove_flow(job_id, wid), "DELETE",
                               f"/v1/local/flows/{job_id}/{wid}", None)
             with self._cv:
                 job.hosts[wid] = None
+                self.leases.drop(job_id, wid)
                 self._save()
-                return job.view()
+                view = lifecycle.decorate(self, job.view())
+            view["released"] = lifecycle.after_leave(self, job_id)
+            return view
 
     def _job(self, job_id: int) -> JobConfig:
         job = self.jobs.get(job_id)
         if job is None:
-            raise ApiError(404, f"job {job_id} does not exist")
+            raise ApiError(404, lifecycle.gone_message(self, job_id))
         return job
 
     def get_job(self, job_id: int) -> dict:
         with self._cv:
-            return self._job(job_id).view()
+            return lifecycle.decorate(self, self._job(job_id).view())
 
     def list_jobs(self) -> dict:
         with self._cv:
-            return {"jobs": [j.view() for j in self.jobs.values()]}
+            return {"jobs": [lifecycle.decorate(self, j.view()) for j in self.jobs.values()]}
+
+    def heartbeat(self, req: dict) -> dict:
+        return lifecycle.heartbeat(self, req)
 
     def remove_job(self, job_id: int) -> dict:
         with self._op:
@@ -169,10 +215,8 @@ class ControlService:
                 job = self._job(job_id)
             self.peers.on_all_dpus(job, lambda i: self._remove_job_here(job_id), "DELETE",
                               f"/v1/local/jobs/{job_id}", None)
-            with self._cv:
-                self.jobs.pop(job_id, None)
-                self._save()
-                return {"removed": job_id}
+            lifecycle.release(self, job_id, "removed by an admin")
+            return {"removed": job_id}
 
     def stats(self) -> dict:
         if self.controller is None:
