@@ -30,6 +30,7 @@ REMOTE_PIN = "/sys/fs/bpf/dosa"
 DEFAULT_SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
 RSYNC_EXCLUDES = [".git", ".venv", "build", "*.so", "__pycache__", "*.egg-info"]
 READY_POLLS = 300  # x 0.1 s
+STOP_POLLS = 100  # x 0.1 s, then SIGKILL
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 _IFACE_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
@@ -59,6 +60,10 @@ class Inventory:
     data_port: int
     control_port: int
     mode: str
+    setup: str = "make setup"  # run in remote_dir on every machine after shipping
+    run_dir: str = REMOTE_RUN  # pid and readiness files on the DPUs
+    log_dir: str = REMOTE_LOG  # service logs on the DPUs
+    pin_root: str = REMOTE_PIN  # each DPU's dataplane is pinned in <pin_root>/<dpu name>
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,7 @@ def load_inventory(path: str | Path) -> Inventory:
     if not isinstance(d, dict):
         raise bad("[deploy] must be a table")
     known = {"source", "remote_dir", "method", "git_url", "git_ref", "ssh_options", "data_port",
-             "control_port", "mode"}
+             "control_port", "mode", "setup", "run_dir", "log_dir", "pin_root"}
     if set(d) - known:
         raise bad(f"unknown key(s) in [deploy]: {', '.join(sorted(set(d) - known))}")
 
@@ -157,11 +162,21 @@ def load_inventory(path: str | Path) -> Inventory:
     source = d.get("source", ".")
     if not isinstance(source, str):
         raise bad("deploy.source must be a path")
+    setup = d.get("setup", "make setup")
+    if not isinstance(setup, str) or not setup.strip():
+        raise bad("deploy.setup must be a shell command (default \"make setup\")")
+    dirs = {}
+    for k, default in (("run_dir", REMOTE_RUN), ("log_dir", REMOTE_LOG), ("pin_root", REMOTE_PIN)):
+        v = d.get(k, default)
+        if not isinstance(v, str) or not v.startswith("/") or not _SSH_RE.match(v) or v.rstrip("/") == "":
+            raise bad(f"deploy.{k} {v!r} must be an absolute path other than / without spaces or quotes")
+        dirs[k] = v.rstrip("/")
     # a relative source is relative to the inventory file's directory
     src = (path.parent / source).resolve() if not Path(source).is_absolute() else Path(source)
     return Inventory(str(path), tuple(machines["hosts"]), tuple(machines["dpus"]), str(src),
                      remote_dir.rstrip("/"), method, git_url, str(d.get("git_ref", "main")),
-                     tuple(opts), ports["data_port"], ports["control_port"], mode)
+                     tuple(opts), ports["data_port"], ports["control_port"], mode, setup.strip(),
+                     **dirs)
 
 
 def _ssh(inv: Inventory, m: Machine, remote: str) -> list[str]:
@@ -181,7 +196,7 @@ def _ship(inv: Inventory, m: Machine) -> list[Step]:
         steps.append(Step(m.name, f"git checkout {inv.git_ref} in {d}", _ssh(inv, m, (
             f"if [ -d {q}/.git ]; then git -C {q} fetch --quiet origin; "
             f"else git clone --quiet {url} {q}; fi && git -C {q} checkout --quiet --force {ref}"))))
-    steps.append(Step(m.name, "make setup", _ssh(inv, m, f"cd {shlex.quote(d)} && make setup")))
+    steps.append(Step(m.name, inv.setup, _ssh(inv, m, f"cd {shlex.quote(d)} && {inv.setup}")))
     return steps
 
 
@@ -189,7 +204,7 @@ def dpu_context(inv: Inventory, j: int) -> DpuContext:
     m = inv.dpus[j]
     return DpuContext(index=j, iface=m.iface, address=m.addr,
                       host_addrs=tuple(h.addr for h in inv.hosts), mode=inv.mode,
-                      pin_dir=f"{REMOTE_PIN}/{m.name}", run_dir=REMOTE_RUN,
+                      pin_dir=f"{inv.pin_root}/{m.name}", run_dir=inv.run_dir,
                       data_port=inv.data_port, control_port=inv.control_port,
                       python=(f"{inv.remote_dir}/.venv/bin/python",))
 
@@ -198,9 +213,13 @@ def _stop_steps(inv: Inventory, j: int) -> list[Step]:
     m = inv.dpus[j]
     steps = []
     for svc in reversed(dpu_services(dpu_context(inv, j))):
-        pid = f"{REMOTE_RUN}/{svc.name}.pid"
+        pid = f"{inv.run_dir}/{svc.name}.pid"
+        # wait until it has exited (SIGKILL after STOP_POLLS): the next start must not find the
+        # old process still holding the port, the XDP attachment or the pinned maps
         steps.append(Step(m.name, f"stop {svc.name}", _ssh(inv, m, (
-            f"if [ -f {pid} ]; then kill $(cat {pid}) 2>/dev/null; rm -f {pid}; fi; true"))))
+            f"if [ -f {pid} ]; then p=$(cat {pid}); kill $p 2>/dev/null; "
+            f"for i in $(seq {STOP_POLLS}); do kill -0 $p 2>/dev/null || break; sleep 0.1; done; "
+            f"kill -9 $p 2>/dev/null; rm -f {pid}; fi; true"))))
     return steps
 
 
@@ -208,14 +227,17 @@ def _start_steps(inv: Inventory, j: int) -> list[Step]:
     m = inv.dpus[j]
     steps = []
     for svc in dpu_services(dpu_context(inv, j)):
-        pid, log = f"{REMOTE_RUN}/{svc.name}.pid", f"{REMOTE_LOG}/{svc.name}.log"
+        pid, log = f"{inv.run_dir}/{svc.name}.pid", f"{inv.log_dir}/{svc.name}.log"
         env = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in svc.env.items())
         # a readiness file left by a previous run must not count as ready
         clear = f"rm -f {shlex.quote(str(svc.ready[1]))} && " if svc.ready and svc.ready[0] == "file" else ""
+        # the braces matter: without them `&` puts the whole `mkdir && cd && ...` list in a
+        # background subshell that keeps the ssh session's output open (the step never ends) and
+        # $! names that subshell, not the service (found by the real deploy test)
         steps.append(Step(m.name, f"start {svc.name}", _ssh(inv, m, (
-            f"mkdir -p {REMOTE_RUN} {REMOTE_LOG} && {clear}cd {shlex.quote(inv.remote_dir)} && "
-            f"{env + ' ' if env else ''}setsid nohup {shlex.join(svc.argv)} > {log} 2>&1 < /dev/null "
-            f"& echo $! > {pid}"))))
+            f"mkdir -p {inv.run_dir} {inv.log_dir} && {clear}cd {shlex.quote(inv.remote_dir)} && "
+            f"{{ {env + ' ' if env else ''}setsid nohup {shlex.join(svc.argv)} > {log} 2>&1 < /dev/null "
+            f"& echo $! > {pid}; }}"))))
         probe = _probe_shell(svc.ready)
         if probe:
             steps.append(Step(m.name, f"wait for {svc.name}", _ssh(inv, m, (

@@ -28,7 +28,8 @@ def expected_plan() -> list[str]:
             f"{SSH} {target} 'cd /opt/dosa && make setup'",
         ]
     d = "root@192.0.2.20"
-    stop = [f"{SSH} {d} 'if [ -f /run/dosa/{s}.pid ]; then kill $(cat /run/dosa/{s}.pid) 2>/dev/null; "
+    stop = [f"{SSH} {d} 'if [ -f /run/dosa/{s}.pid ]; then p=$(cat /run/dosa/{s}.pid); kill $p 2>/dev/null; "
+            "for i in $(seq 100); do kill -0 $p 2>/dev/null || break; sleep 0.1; done; kill -9 $p 2>/dev/null; "
             f"rm -f /run/dosa/{s}.pid; fi; true'" for s in ("dpu", "ctl")]
     ctl = (f"{PY} ctl serve --pin-dir /sys/fs/bpf/dosa/dpu0 --iface p0 --addr 10.10.0.200 "
            "--listen 10.10.0.200:17800 --port 17791 --mode xdp")
@@ -37,13 +38,13 @@ def expected_plan() -> list[str]:
               "--pid-file /run/dosa/dpu0-worker.ready")
     ready = "/run/dosa/dpu0-worker.ready"
     start = [
-        (f"mkdir -p /run/dosa /var/log/dosa && cd /opt/dosa && setsid nohup {ctl} > "
-         "/var/log/dosa/ctl.log 2>&1 < /dev/null & echo $! > /run/dosa/ctl.pid"),
+        (f"mkdir -p /run/dosa /var/log/dosa && cd /opt/dosa && {{ setsid nohup {ctl} > "
+         "/var/log/dosa/ctl.log 2>&1 < /dev/null & echo $! > /run/dosa/ctl.pid; }"),
         ("for i in $(seq 300); do ss -Hltn 'sport = :17800' | grep -q . && exit 0; kill -0 "
          "$(cat /run/dosa/ctl.pid) 2>/dev/null || break; sleep 0.1; done; echo 'ctl not ready, see "
          "/var/log/dosa/ctl.log' >&2; tail -n 5 /var/log/dosa/ctl.log >&2; exit 1"),
-        (f"mkdir -p /run/dosa /var/log/dosa && rm -f {ready} && cd /opt/dosa && setsid nohup {worker} > "
-         "/var/log/dosa/dpu.log 2>&1 < /dev/null & echo $! > /run/dosa/dpu.pid"),
+        (f"mkdir -p /run/dosa /var/log/dosa && rm -f {ready} && cd /opt/dosa && {{ setsid nohup {worker} > "
+         "/var/log/dosa/dpu.log 2>&1 < /dev/null & echo $! > /run/dosa/dpu.pid; }"),
         (f"for i in $(seq 300); do test -e {ready} && exit 0; kill -0 $(cat /run/dosa/dpu.pid) "
          "2>/dev/null || break; sleep 0.1; done; echo 'dpu not ready, see /var/log/dosa/dpu.log' >&2; "
          "tail -n 5 /var/log/dosa/dpu.log >&2; exit 1"),
@@ -69,6 +70,17 @@ def test_dry_run_prints_every_command_and_runs_nothing():
 def test_stop_only_plans_the_stop_commands():
     inv = deploy.load_inventory(EXAMPLE)
     assert [s.shell() for s in deploy.plan(inv, stop_only=True)] == expected_plan()[9:11]
+
+
+def test_setup_and_directories_come_from_the_inventory(tmp_path):
+    text = EXAMPLE.read_text().replace('mode = "xdp"', 'mode = "xdp"\nsetup = "make setup-fast"\n'
+                                       'run_dir = "/srv/run/"\nlog_dir = "/srv/log"\npin_root = "/sys/fs/bpf/x"')
+    inv_path = tmp_path / "inv.toml"
+    inv_path.write_text(text)
+    cmds = [s.shell() for s in deploy.plan(deploy.load_inventory(inv_path))]
+    assert cmds[2].endswith("'cd /opt/dosa && make setup-fast'")
+    assert "/srv/run/ctl.pid" in cmds[10] and "/srv/log/ctl.log" in cmds[11]
+    assert "--pin-dir /sys/fs/bpf/x/dpu0" in cmds[11] and "--pid-file /srv/run/dpu0-worker.ready" in cmds[13]
 
 
 def test_git_method_clones_or_fetches_the_ref(tmp_path):
@@ -97,6 +109,12 @@ BAD = [
      "[[dpus]]\nname='d'\nssh='r@y'\niface='p0'\naddr='10.0.0.2'\n", r"needs deploy\.git_url"),
     ("[[hosts]]\nname='a'\nssh='r@x'\niface='eth0'\naddr='10.0.0.1'\n"
      "[[dpus]]\nname='d'\nssh='r@y'\niface='p0'\naddr='10.0.0.1'\n", r"10\.0\.0\.1 used by more than one"),
+    ("[deploy]\nsetup='  '\n[[hosts]]\nname='a'\nssh='r@x'\niface='eth0'\naddr='10.0.0.1'\n"
+     "[[dpus]]\nname='d'\nssh='r@y'\niface='p0'\naddr='10.0.0.2'\n", r"deploy\.setup must be a shell command"),
+    ("[deploy]\nrun_dir='run/dosa'\n[[hosts]]\nname='a'\nssh='r@x'\niface='eth0'\naddr='10.0.0.1'\n"
+     "[[dpus]]\nname='d'\nssh='r@y'\niface='p0'\naddr='10.0.0.2'\n", r"deploy\.run_dir 'run/dosa' must be an absolute"),
+    ("[deploy]\npin_root='/sys/fs/bpf/a b'\n[[hosts]]\nname='a'\nssh='r@x'\niface='eth0'\naddr='10.0.0.1'\n"
+     "[[dpus]]\nname='d'\nssh='r@y'\niface='p0'\naddr='10.0.0.2'\n", r"deploy\.pin_root .* without spaces"),
     ("[[hosts]\nname='a'\n", r"is not valid TOML"),
     ("[hostz]\n", r"unknown section\(s\) hostz"),
 ]
