@@ -8,6 +8,7 @@ import sys
 
 from dosa import wire
 from dosa.errors import DosaError
+from dosa.job import DEFAULT_SLOTS
 
 
 def _instance(args) -> str:
@@ -38,9 +39,10 @@ def register(sub) -> None:
     a.add_argument("--netns", help="network namespace of the interface (ip netns name)")
     a.add_argument("--xdp-mode", choices=("auto", "native", "skb"), default="auto")
     a.add_argument("--port", type=int, default=wire.DEFAULT_PORT, help="UDP port carrying dosa")
-    a.add_argument("--pool-slots", type=int, default=1 << 22, help="aggregation pool size (s64 slots)")
-    a.add_argument("--pstate-slots", type=int, default=65536, help="owned (job, partition) states")
-    a.add_argument("--wstate-slots", type=int, default=262144, help="(partition, parity, worker) states")
+    a.add_argument("--pool-slots", type=int, default=1 << 22,
+                   help="aggregation pool size in s64 entries (a job holds slots x 2 x partition size)")
+    a.add_argument("--pstate-slots", type=int, default=65536, help="(job, aggregation slot) states")
+    a.add_argument("--wstate-slots", type=int, default=262144, help="(slot, parity, worker) states")
     a.set_defaults(func=cmd_attach)
 
     d = csub.add_parser("detach", help="detach the dataplane (and unload it after the last interface)")
@@ -64,6 +66,8 @@ def register(sub) -> None:
     ja.add_argument("--scale-exp", type=int, default=16)
     ja.add_argument("--mode", choices=("sum", "gtopk"), default="sum")
     ja.add_argument("--port", type=int, default=wire.DEFAULT_PORT)
+    ja.add_argument("--slots", type=int, default=DEFAULT_SLOTS,
+                    help="aggregation slots here: the job's window of partitions in flight (sets its memory)")
     ja.set_defaults(func=cmd_job_add)
     jr = jsub.add_parser("rm", help="remove a job (its flows and memory)")
     _common(jr)
@@ -144,9 +148,10 @@ def cmd_job_add(args) -> int:
     with _ctl(args) as c:
         j = c.add_job(args.job, workers=args.workers, numel=args.numel, partition_size=args.partition_size,
                       num_dpus=args.num_dpus, dpu_index=args.dpu_index, scale_exp=args.scale_exp,
-                      mode=args.mode, port=args.port)
+                      mode=args.mode, port=args.port, slots=args.slots)
         print(f"job {j.job_id}: {j.workers} workers, {j.numel} entries in {j.num_partitions} partitions, "
-              f"{j.num_owned} owned here, {j.pool_len} aggregation slots at {j.pool_off}")
+              f"{j.num_owned} owned here in {j.slots} aggregation slots: {j.pool_len} pool entries "
+              f"({j.pool_len * 8 / 2**20:.1f} MiB) at {j.pool_off}")
     return 0
 
 

@@ -1,8 +1,9 @@
 """Controller: the control plane of one DPU's dataplane instance.
 
 It loads and attaches the XDP program (also inside a network namespace), installs and removes jobs
-(regions allocated first-fit from the fixed pools: a job that does not fit is refused with an
-AdmissionError), adds and removes worker flows, and reads counters. All state lives in the pinned
+(regions sized by the job's aggregation slots, allocated first-fit from the fixed pools: a job that
+does not fit is refused with an AdmissionError that says whether it ever could), adds and removes
+worker flows, and reads counters. All state lives in the pinned
 maps (plus a small record of attachments in /run/dosa/), so a Controller created by a restarted
 process picks up exactly where the last one left off.
 
@@ -28,8 +29,9 @@ from dataplane import libbpf, loader, reasons
 from dataplane.maps import MODES, DataplaneMaps, JobInfo
 from dosa import wire
 from dosa.errors import DosaError
+from dosa.job import DEFAULT_SLOTS, MAX_SLOTS
 
-from .alloc import AdmissionError, first_fit
+from .alloc import AdmissionError, SlotDemand, admit
 from .netns import run_in_netns
 
 STATE_DIR = "/run/dosa"
@@ -179,10 +181,12 @@ class Controller:
 
     def add_job(self, job_id: int, workers: int, numel: int, partition_size: int = wire.DEFAULT_PARTITION_SIZE,
                 num_dpus: int = 1, dpu_index: int = 0, scale_exp: int = 16, mode: str = "sum",
-                port: int = wire.DEFAULT_PORT) -> JobInfo:
+                port: int = wire.DEFAULT_PORT, slots: int = DEFAULT_SLOTS) -> JobInfo:
         """Install a job: allocate its regions, clear them, write the job entry (last, so XDP never
-        sees a job whose memory is not ready). Errors: DosaError for bad values or an existing job,
-        AdmissionError when a pool or table is full."""
+        sees a job whose memory is not ready). ``slots``: its aggregation slots here (at most the
+        partitions it owns here); they, not numel, set its memory (docs/dataplane.md, *Slots*).
+        Errors: DosaError for bad values or an existing job, AdmissionError when a pool or table
+        is full (``permanent`` when it could never fit this dataplane)."""
         if not 1 <= job_id <= 2**32 - 1:
             raise DosaError(f"job id {job_id} must lie in 1..2^32-1")
         if not 1 <= workers <= wire.MAX_WORKERS:
@@ -197,6 +201,8 @@ class Controller:
             raise DosaError(f"UDP port {port} outside 1..65535")
         if numel > 2**32 - 1:
             raise DosaError(f"numel {numel} does not fit the protocol's u32 indices")
+        if not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+            raise DosaError(f"slots must be an integer in 1..{MAX_SLOTS}, got {slots!r}")
         try:
             pm = wire.PartitionMap(numel, partition_size, num_dpus)
         except ValueError as e:
@@ -210,19 +216,15 @@ class Controller:
             cap = maps.capacity
             if len(existing) >= cap["jobs"]:
                 raise AdmissionError(f"the dataplane already holds its maximum of {cap['jobs']} jobs")
-            pool_len = owned * 2 * min(partition_size, numel)
-            if pool_len >= 2**32:
-                raise AdmissionError(f"job {job_id} needs {pool_len} aggregation slots, more than a pool can hold")
-            pool_off = first_fit([(j.pool_off, j.pool_len) for j in existing], pool_len, cap["pool"],
-                                 "aggregation slots")
-            pstate_off = first_fit([(j.pstate_off, j.num_owned) for j in existing], owned, cap["pstate"],
-                                   "partition states")
-            wstate_off = first_fit([(j.wstate_off, j.wstate_len) for j in existing], owned * 2 * workers,
-                                   cap["wstate"], "worker states")
+            demand = SlotDemand(job_id, min(slots, owned), min(partition_size, numel), workers)
+            off = admit(demand, {"pool": [(j.pool_off, j.pool_len, j.job_id) for j in existing],
+                                 "pstate": [(j.pstate_off, j.pstate_len, j.job_id) for j in existing],
+                                 "wstate": [(j.wstate_off, j.wstate_len, j.job_id) for j in existing]}, cap)
             job = JobInfo(job_id=job_id, workers=workers, partition_size=partition_size, numel=numel,
                           num_partitions=pm.num_partitions, dpu_index=dpu_index, num_dpus=num_dpus,
-                          num_owned=owned, mode=MODES[mode], pool_off=pool_off, pstate_off=pstate_off,
-                          wstate_off=wstate_off, scale_exp=scale_exp, port=port)
+                          num_owned=owned, mode=MODES[mode], pool_off=off["pool"], pstate_off=off["pstate"],
+                          wstate_off=off["wstate"], scale_exp=scale_exp, port=port, stride=demand.stride,
+                          slots=demand.slots)
             maps.clear_job_state(job)
             maps.add_port(port)
             maps.put_job(job)

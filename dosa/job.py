@@ -30,6 +30,11 @@ DPU_MODES = ("xdp", "userspace")
 #: the scale exponent of a job's first round (later rounds choose theirs from the previous result)
 DEFAULT_SCALE_EXP = 16
 DEFAULT_DENSITY = 0.01
+#: aggregation slots a job holds on each DPU (docs/dataplane.md, *Slots*): its window of partitions
+#: in flight per DPU, and what sets its DPU memory (slots x 2 x partition_size x 8 bytes: 16 MiB at
+#: the default partition size), whatever numel. Two such jobs fit the default 32 MiB pool.
+DEFAULT_SLOTS = 16
+MAX_SLOTS = 65535
 
 
 @dataclass
@@ -45,6 +50,7 @@ class JobConfig:
     density: float = DEFAULT_DENSITY
     scale_exp: int = DEFAULT_SCALE_EXP
     port: int = wire.DEFAULT_PORT  # the job's UDP port on the DPUs (the default of dpus' ports)
+    slots: int = DEFAULT_SLOTS  # aggregation slots per DPU (at most the partitions it owns)
 
     def __post_init__(self):
         self.hosts = [None if h is None else (str(h[0]), int(h[1])) for h in self.hosts]
@@ -61,6 +67,8 @@ class JobConfig:
             raise DosaError(f"density must lie in (0, 1], got {self.density}")
         if not wire.SCALE_EXP_MIN <= self.scale_exp <= wire.SCALE_EXP_MAX:
             raise DosaError(f"scale_exp {self.scale_exp} outside {wire.SCALE_EXP_MIN}..{wire.SCALE_EXP_MAX}")
+        if not isinstance(self.slots, int) or not 1 <= self.slots <= MAX_SLOTS:
+            raise DosaError(f"slots must be an integer in 1..{MAX_SLOTS}, got {self.slots!r}")
         try:
             self.pmap  # noqa: B018 - validates numel/partition_size
         except ValueError as e:
@@ -88,6 +96,12 @@ class JobConfig:
         """k of a partition in gtopk mode: ceil(density * partition_length), at least 1."""
         return np.maximum(1, np.ceil(self.density * np.asarray(partition_length)).astype(np.int64))
 
+    def slots_on(self, dpu: int) -> int:
+        """Aggregation slots of this job on DPU ``dpu``: ``slots``, or fewer when that DPU owns
+        fewer partitions. Owned partition j (the DPU's j-th) aggregates in slot j % slots_on(dpu),
+        so a host may send it only once partition j - slots_on(dpu) of the round is complete."""
+        return max(1, min(self.slots, len(self.pmap.owned_by(dpu))))
+
     def dpu_index(self, address: str) -> int | None:
         """Index of the DPU at ``address`` in this job, None when it is not one of the job's."""
         for i, (a, _) in enumerate(self.dpus):
@@ -100,6 +114,7 @@ class JobConfig:
         """The JSON the join API answers with (``POST /v1/join``, ``GET /v1/jobs``...)."""
         d = {"job_id": self.job_id, "workers": self.workers, "numel": self.numel,
              "partition_size": self.partition_size, "num_partitions": self.pmap.num_partitions,
+             "slots": self.slots,
              "scale_exp": self.scale_exp, "mode": self.mode, "density": self.density, "port": self.port,
              "dpus": [{"index": i, "address": a, "port": p} for i, (a, p) in enumerate(self.dpus)],
              "hosts": [{"worker_id": w, "address": a, "port": p} for w, (a, p) in self.joined.items()],
@@ -127,7 +142,8 @@ class JobConfig:
                        dpus=[(d["address"], d["port"]) for d in dpus],
                        partition_size=v["partition_size"], mode=v.get("mode", "sum"),
                        density=v.get("density", DEFAULT_DENSITY),
-                       scale_exp=v.get("scale_exp", DEFAULT_SCALE_EXP), port=v.get("port", wire.DEFAULT_PORT))
+                       scale_exp=v.get("scale_exp", DEFAULT_SCALE_EXP), port=v.get("port", wire.DEFAULT_PORT),
+                       slots=v.get("slots", DEFAULT_SLOTS))
         except (KeyError, TypeError, ValueError) as e:
             raise DosaError(f"the control plane's job description lacks {e}") from None
 

@@ -41,7 +41,7 @@ def jobs_from_maps(maps, my_addr: tuple[str, int], density: float = 0.01) -> lis
         out.append(JobConfig(job_id=j.job_id, numel=j.numel, hosts=hosts,
                              dpus=dpus, partition_size=j.partition_size,
                              mode="gtopk" if j.mode == MODE_GTOPK else "sum", density=density,
-                             scale_exp=j.scale_exp))
+                             scale_exp=j.scale_exp, slots=max(1, j.slots)))
     return out
 
 
@@ -59,6 +59,11 @@ class XdpBackend:
             raise DosaError(f"job {job.job_id} in the dataplane (numel {info.numel}, partition size "
                             f"{info.partition_size}, {info.workers} workers, {info.num_dpus} DPUs) "
                             "differs from the job config given to the worker")
+        if info.num_owned and info.slots != job.slots_on(info.dpu_index):
+            # hosts pace their window by the config's slots: a different count here would let a
+            # slot's next occupant complete before every host has the previous one's result
+            raise DosaError(f"job {job.job_id} has {info.slots} aggregation slots in the dataplane "
+                            f"but {job.slots_on(info.dpu_index)} in the job config given to the worker")
         self.info = info
         from dataplane import layout
 

@@ -265,6 +265,13 @@ class _Round:
         part = hdr["partition"].astype(np.int64)
         self.pk_start = np.searchsorted(part, np.arange(P + 1))
         self.owner = np.asarray(client.pmap.owner(np.arange(P)), np.int64)
+        # aggregation slots (docs/dataplane.md, *Slots*): partition p shares its DPU's slot with
+        # p - M*S (M DPUs, S slots there), and may be sent only once that one's result is in: a
+        # slot's next occupant can complete only when every host sent it, so then every host
+        # holds the previous result and the DPU may clear it. gate[p] = that partition, or -1.
+        M = client.pmap.num_dpus
+        step = M * np.array([client.job.slots_on(d) for d in range(M)], np.int64)[self.owner]
+        self.gate = np.where(np.arange(P) >= step, np.arange(P) - step, -1)
         self.sent = np.zeros(P, bool)
         self.done = np.zeros(P, bool)
         self.res_total = np.zeros(P, np.int64)
@@ -342,6 +349,12 @@ class _Round:
         if room <= 0 or self.next >= self.released:
             return
         hi = min(self.released, self.next + room)
+        g = self.gate[self.next:hi]
+        busy = np.flatnonzero((g >= 0) & ~self.done[np.maximum(g, 0)])
+        if len(busy):  # in order: stop at the first partition whose slot is still held
+            hi = self.next + int(busy[0])
+            if hi == self.next:
+                return
         rows = np.arange(self.pk_start[self.next], self.pk_start[hi])
         self._send(rows)
         self.sent[self.next:hi] = True

@@ -237,7 +237,7 @@ class ControlService:
                     self.controller.add_job(job.job_id, workers=job.workers, numel=job.numel,
                                             partition_size=job.partition_size, num_dpus=len(job.dpus),
                                             dpu_index=dpu_index, scale_exp=job.scale_exp, mode=job.mode,
-                                            port=job.port)
+                                            port=job.port, slots=job.slots)
                 except AdmissionError as e:
                     raise ApiError(507, str(e)) from None
                 except DosaError as e:

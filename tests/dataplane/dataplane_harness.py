@@ -38,17 +38,18 @@ class Harness:
         self._pool = self._pstate = self._wstate = 0
 
     def job(self, workers=2, numel=1000, partition_size=256, num_dpus=1, dpu_index=0,
-            install_flows=True) -> JobInfo:
-        """A fresh job with its own (bump-allocated) regions and every worker's flow installed."""
+            install_flows=True, slots=0) -> JobInfo:
+        """A fresh job with its own (bump-allocated) regions and every worker's flow installed;
+        ``slots`` aggregation slots (0: one per owned partition)."""
         self._next_job += 1
         nparts = -(-numel // partition_size)
         owned = len(range(dpu_index, nparts, num_dpus))
         j = JobInfo(job_id=self._next_job, workers=workers, partition_size=partition_size, numel=numel,
                     num_partitions=nparts, dpu_index=dpu_index, num_dpus=num_dpus, num_owned=owned,
                     mode=0, pool_off=self._pool, pstate_off=self._pstate, wstate_off=self._wstate,
-                    scale_exp=0, port=PORT)
+                    scale_exp=0, port=PORT, slots=slots)
         self._pool += j.pool_len
-        self._pstate += owned
+        self._pstate += j.pstate_len
         self._wstate += j.wstate_len
         assert self._pool <= len(self.maps.pool) and self._wstate <= len(self.maps.wstate)
         self.maps.clear_job_state(j)
