@@ -29,6 +29,7 @@ class RankSpec:
     namespace: str
     env: dict
     cpus: list[int] | None = None
+    argv: list[str] | None = None  #: this rank's own command (e.g. its torchrun agent); default: run_ranks'
 
 
 @dataclass
@@ -118,6 +119,27 @@ def _killpg(p: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def torchrun_argv(argv: list[str], *, nnodes: int, rdzv_endpoint: str, rdzv_id: int,
+                  local_addr: str, is_host: bool) -> list[str]:
+    """One node's real ``torchrun`` agent (one worker process per node) joining a c10d rendezvous
+    at ``rdzv_endpoint`` (the first host's fabric address): what each machine of a cluster runs.
+
+    A namespace shares the machine's hostname, so the agent is told its own fabric address
+    (``--local-addr``, which becomes MASTER_ADDR for rank 0's node) and whether it hosts the
+    rendezvous store (``is_host``: the hostname cannot tell). ``argv`` is ``SCRIPT ARGS`` (a
+    ``python`` in front is dropped: torchrun starts the script with its own interpreter), or
+    ``-m MODULE ARGS`` (torchrun's own ``-m``)."""
+    if not argv:
+        raise DosaError("no script given to torchrun (put it after `--`)")
+    if Path(argv[0]).name.startswith("python"):
+        argv = argv[1:]
+    exe = Path(sys.executable).with_name("torchrun")
+    head = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    return head + [f"--nnodes={nnodes}", "--nproc-per-node=1", "--max-restarts=0",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}",
+                   f"--rdzv-conf=is_host={int(is_host)}", f"--local-addr={local_addr}", *argv]
+
+
 def run_ranks(specs: list[RankSpec], argv: list[str], log_dir: Path, timeout: float | None = None,
               echo=True, base_env: dict | None = None) -> RunResult:
     """Start ``argv`` once per spec and wait. ``echo``: True (print to our stdout/stderr), False, or
@@ -136,7 +158,7 @@ def run_ranks(specs: list[RankSpec], argv: list[str], log_dir: Path, timeout: fl
         for s in specs:
             env = {**(os.environ if base_env is None else base_env), **s.env}
             try:
-                p = subprocess.Popen(netns_cmd(s.namespace, argv, s.cpus), env=env,
+                p = subprocess.Popen(netns_cmd(s.namespace, s.argv or argv, s.cpus), env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True)
             except OSError as e:
