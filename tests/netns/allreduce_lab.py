@@ -144,13 +144,14 @@ class Lab:
         return p
 
     def control_args(self, job_id=5, numel=200_000, partition_size=16384, mode="sum", density=0.01,
-                     scale_exp=10, dpus=None) -> list[str]:
+                     scale_exp=10, dpus=None, slots=None) -> list[str]:
         """Host arguments to join through DPU 0's control plane with this job shape (``dpus``: how
-        many of the lab's DPUs the job uses, default all)."""
+        many of the lab's DPUs the job uses, default all; ``slots``: default the job's default)."""
+        shape = {"numel": numel, "workers": len(self.host_ns), "dpus": self.dpu_addr[:dpus],
+                 "partition_size": partition_size, "mode": mode, "density": density,
+                 "scale_exp": scale_exp, **({"slots": slots} if slots else {})}
         return ["--control", f"{self.dpu_addr[0]}:{CONTROL_PORT}", "--job-id", str(job_id),
-                "--shape", json.dumps({"numel": numel, "workers": len(self.host_ns),
-                                       "dpus": self.dpu_addr[:dpus], "partition_size": partition_size,
-                                       "mode": mode, "density": density, "scale_exp": scale_exp})]
+                "--shape", json.dumps(shape)]
 
     def _wait_bound(self, ns: str, port: int, p: subprocess.Popen, timeout: float = 20.0,
                     proto: str = "u") -> None:
