@@ -3,6 +3,7 @@ join API. Every failure a user can cause is one DosaError sentence (no traceback
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 
@@ -18,14 +19,15 @@ def _instance(args) -> str:
 def _common(p) -> None:
     p.add_argument("--instance", default="default",
                    help="dataplane instance name (pins in /sys/fs/bpf/dosa/NAME; default: default)")
-    p.add_argument("--pin-dir", help="pin directory under /sys/fs/bpf instead of an instance name")
+    p.add_argument("--pin-dir", default=os.environ.get("DOSA_PIN_DIR") or None,
+                   help="pin directory under /sys/fs/bpf instead of an instance name (default "
+                        "$DOSA_PIN_DIR: `dosa testbed exec dN` sets it to that DPU's)")
 
 
 def _hostport(s: str) -> tuple[str, int]:
-    host, _, port = s.rpartition(":")
-    if not host or not port.isdigit():
-        raise DosaError(f"expected ADDR:PORT, got {s!r}")
-    return host, int(port)
+    from dosa.net import hostport_arg
+
+    return hostport_arg(s)
 
 
 def register(sub) -> None:
@@ -73,9 +75,14 @@ def register(sub) -> None:
     _common(jr)
     jr.add_argument("--job", type=int, required=True)
     jr.set_defaults(func=cmd_job_rm)
-    jl = jsub.add_parser("ls", help="list installed jobs")
+    jl = jsub.add_parser("ls", help="list jobs: from the control plane with their leases, or the "
+                                    "dataplane's maps")
     _common(jl)
     jl.add_argument("--json", action="store_true")
+    jl.add_argument("--control", type=_hostport, default=os.environ.get("DOSA_CONTROL") or None,
+                    metavar="ADDR:PORT",
+                    help="ask this control plane (jobs, members, leases; default $DOSA_CONTROL: "
+                         "`dosa testbed exec dN` sets it) instead of reading the maps")
     jl.set_defaults(func=cmd_job_ls)
 
     w = csub.add_parser("worker", help="add / remove a worker flow")
@@ -162,9 +169,35 @@ def cmd_job_rm(args) -> int:
     return 0
 
 
+def _job_ls_control(args) -> int:
+    """The control plane's registry: each job with its generation, members and leases."""
+    from dosa.join import request
+
+    jobs = request(args.control, "GET", "/v1/jobs").get("jobs", [])
+    if args.json:
+        print(json.dumps(jobs, indent=2))
+        return 0
+    if not jobs:
+        print("no jobs")
+    for j in jobs:
+        lease = j.get("lease") or {}
+        exp = lease.get("expires_in_s")
+        print(f"{j['job_id']:>10}  generation {j.get('generation')}  workers {len(j['hosts'])}/"
+              f"{j['workers']} joined  numel {j['numel']:>10}  "
+              + (f"lease expires in {exp:.1f} s" if exp is not None else "no lease (never expires)"))
+        for w, m in sorted((lease.get("members") or {}).items(), key=lambda x: int(x[0])):
+            h = next((h for h in j["hosts"] if h["worker_id"] == int(w)), None)
+            age = m.get("heartbeat_age_s")
+            state = "no lease" if age is None else f"{'alive' if m['alive'] else 'DEAD'}, heartbeat {age:.1f} s ago"
+            print(f"{'':>12}worker {w:>2}  {h['address'] + ':' + str(h['port']) if h else '?':<21} {state}")
+    return 0
+
+
 def cmd_job_ls(args) -> int:
     from dataclasses import asdict
 
+    if args.control is not None:
+        return _job_ls_control(args)
     with _ctl(args) as c:
         jobs = c.jobs()
         if args.json:

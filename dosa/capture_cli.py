@@ -28,8 +28,10 @@ def register(subparsers) -> None:
     ver = sub.add_parser("verify", help="recompute every sum from the data packets and compare with "
                                         "the DPU's result packets")
     common(ver)
-    ver.add_argument("--strict", action="store_true",
-                     help="also fail when a round is incomplete in the capture")
+    ver.add_argument("--partial-edges", action="store_true",
+                     help="accept incomplete rounds before a job's first complete round and after "
+                          "its last (a capture started or stopped mid-run); one in between always "
+                          "fails")
     ver.set_defaults(func=cmd_verify)
 
 
@@ -90,7 +92,7 @@ def cmd_show(args) -> int:
 
 def cmd_verify(args) -> int:
     cap = read_capture(args.pcap, port=_port(args))
-    rep = verify(cap, strict=args.strict)
+    rep = verify(cap, partial_edges=args.partial_edges)
     if args.json:
         print(json.dumps(rep, indent=1))
         return 0 if rep["ok"] else 1
@@ -112,8 +114,12 @@ def cmd_verify(args) -> int:
     if rep["ok"]:
         print("OK")
     elif not rep["mismatches"]:
-        if rep["verified"]:
-            why = "incomplete rounds (--strict)"
+        if rep["incomplete_inner"]:
+            why = (f"{rep['incomplete_inner']} incomplete partition(s) between complete rounds: "
+                   "packets missing from the capture")
+        elif rep["verified"]:
+            why = ("incomplete rounds at the capture's start or end (--partial-edges accepts "
+                   "those)")
         elif not cap.stats["dosa_packets"]:
             why = "nothing could be verified: no dosa packets in the capture" + (
                 f" on port {args.port}" if args.port is not None else "")

@@ -41,3 +41,23 @@ def multicast_group(job) -> tuple[str, int] | None:
         return None
     j = int(job.job_id)
     return f"{MULTICAST_PREFIX[0]}.{MULTICAST_PREFIX[1]}.{(j >> 8) & 255}.{j & 255}", ports.pop()
+
+
+def parse_hostport(s: str, what: str = "address") -> tuple[str, int]:
+    """``"ADDR:PORT"`` -> (ADDR, PORT): the one parser of the command lines' ADDR:PORT options; a
+    ValueError in one sentence for anything else (argparse reports it against the option)."""
+    host, sep, port = str(s).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{what} must be ADDR:PORT with a port in 1..65535 (e.g. 10.0.1.1:17800), "
+                         f"got {s!r}")
+    return host, int(port)
+
+
+def hostport_arg(s: str) -> tuple[str, int]:
+    """argparse ``type=`` of an ADDR:PORT option (its message names the option)."""
+    import argparse
+
+    try:
+        return parse_hostport(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -8,10 +8,9 @@ from dosa.errors import DosaError
 
 
 def _addr(s: str) -> tuple[str, int]:
-    host, _, port = s.rpartition(":")
-    if not host or not port.isdigit():
-        raise DosaError(f"expected ADDR:PORT, got {s!r}")
-    return host, int(port)
+    from dosa.net import hostport_arg
+
+    return hostport_arg(s)
 
 
 def register(sub) -> None:

@@ -179,11 +179,35 @@ def test_dropped_result_packet_is_incomplete_not_a_mismatch(tmp_path):
     path = f.write(tmp_path / "drop.pcap", drop=lambda label: label[0] == "result" and label[2:4] == (2, 1)
                    and label[5] == 1)  # seq 1 lost, in both copies
     rep = verify(read_capture(path))
-    assert rep["ok"] and rep["verified"] == 8 and rep["mismatches"] == []
+    assert not rep["ok"] and rep["verified"] == 8 and rep["mismatches"] == []  # fails closed
     (inc,) = rep["incomplete"]
-    assert (inc["round"], inc["partition"]) == (2, 1)
+    assert (inc["round"], inc["partition"], inc["edge"]) == (2, 1, True)  # the last round
     assert inc["missing"] == [f"result: {total - 1} of {total} packets"]
-    assert not verify(read_capture(path), strict=True)["ok"]
+    assert verify(read_capture(path), partial_edges=True)["ok"]
+
+
+def test_an_incomplete_round_between_complete_ones_fails_even_with_partial_edges(tmp_path, capsys):
+    f = _standard()
+    path = f.write(tmp_path / "hole.pcap", drop=lambda label: label[0] == "result" and label[2:4] == (1, 1)
+                   and label[5] == 0)  # round 1 of 0..2: a hole, not an edge
+    for pe in (False, True):
+        rep = verify(read_capture(path), partial_edges=pe)
+        assert not rep["ok"] and rep["incomplete_inner"] == 1 and not rep["incomplete"][0]["edge"]
+    rc, out = _cli("capture", "verify", "--partial-edges", str(path), capsys=capsys)
+    assert rc == 1 and "1 incomplete partition(s) between complete rounds" in out.out
+
+
+def test_capture_show_into_a_closed_pipe_ends_quietly(tmp_path):
+    import subprocess
+    import sys
+
+    f = Fabric(0)
+    for r in range(150):  # ~2400 lines, far more than a pipe buffer: the writer meets the closed pipe
+        f.round(JOB, r, parts=range(4), workers=range(3), density=0.01)
+    path = f.write(tmp_path / "many.pcap")
+    p = subprocess.run(f"set -o pipefail; {sys.executable} -m dosa capture show {path} | head -n 2",
+                       shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
+    assert p.returncode == 141 and len(p.stdout.splitlines()) == 2 and p.stderr == "", p.stderr
 
 
 def test_missing_worker_data_is_incomplete(tmp_path):
