@@ -1,4 +1,4 @@
-/* dosa wire protocol v1: GENERATED from dosa/wire.py by `python -m dataplane.gen_headers`;
+/* dosa wire protocol v2: GENERATED from dosa/wire.py by `python -m dataplane.gen_headers`;
  * do not edit (tests/unit/test_wire_c_header.py fails when this file and wire.py differ).
  * Spec: docs/protocol.md. All fields big-endian. The check returns DOSA_C_* counters of
  * dataplane/reasons.py, whose enum the loader puts before the program text. */
@@ -18,15 +18,20 @@
 #endif
 
 #define DOSA_MAGIC 0x444F5341u
-#define DOSA_VERSION 1
+#define DOSA_VERSION 2
 #define DOSA_HDR_LEN 32
-#define DOSA_SPARSE_ENTRY_LEN 8
+#define DOSA_SPARSE_ENTRY_LEN 6
 #define DOSA_DENSE_ENTRY_LEN 4
 #define DOSA_RETX_ENTRY_LEN 4
 #define DOSA_STATUS_ENTRY_LEN 4
-#define DOSA_MAX_SPARSE_ENTRIES 180
+#define DOSA_MAX_SPARSE_ENTRIES 240
 #define DOSA_MAX_DENSE_ENTRIES 360
 #define DOSA_MAX_RETX_ENTRIES 360
+#define DOSA_MAX_MTU 3500
+#define DOSA_RX_MAX_SPARSE_ENTRIES 573
+#define DOSA_RX_MAX_DENSE_ENTRIES 860
+#define DOSA_MAX_PARTITION_SIZE 65536
+#define DOSA_MAX_SPARSE_BASE 0xFFFF0000u
 #define DOSA_MAX_PACKETS_PER_CONTRIBUTION 256
 #define DOSA_MAX_WORKERS 64
 #define DOSA_MAX_PARTITIONS 65535
@@ -66,10 +71,9 @@ struct dosa_hdr {
 	__be32 base;
 } __attribute__((packed, aligned(4)));
 
-struct dosa_sparse_entry {
-	__be32 index;
-	__be32 value;
-} __attribute__((packed, aligned(4)));
+/* Sparse payload: count x u16 offset (index = base + offset), zero-padded to 4 bytes, then
+ * count x s32 value starting at this byte offset from the dosa header. */
+#define DOSA_VALUE_OFFSET(count) (DOSA_HDR_LEN + 2 * (count) + 2 * ((count) & 1))
 
 static __always_inline __u32 dosa_type_ok(__u32 type)
 {
@@ -115,11 +119,11 @@ static __always_inline __u32 dosa_sparse(__u32 type)
 static __always_inline __u32 dosa_entry_len(__u32 type)
 {
 	if (type == DOSA_T_SPARSE_DATA)
-		return 8;
+		return 6;
 	if (type == DOSA_T_DENSE_DATA)
 		return 4;
 	if (type == DOSA_T_SPARSE_RESULT)
-		return 8;
+		return 6;
 	if (type == DOSA_T_DENSE_RESULT)
 		return 4;
 	if (type == DOSA_T_RETX_REQUEST)
@@ -129,20 +133,29 @@ static __always_inline __u32 dosa_entry_len(__u32 type)
 	return 0;
 }
 
+static __always_inline __u32 dosa_odd_pad(__u32 type)
+{
+	if (type == DOSA_T_SPARSE_DATA)
+		return 2;
+	if (type == DOSA_T_SPARSE_RESULT)
+		return 2;
+	return 0;
+}
+
 static __always_inline __u32 dosa_max_entries(__u32 type)
 {
 	if (type == DOSA_T_SPARSE_DATA)
-		return 180;
+		return 573;
 	if (type == DOSA_T_DENSE_DATA)
-		return 360;
+		return 860;
 	if (type == DOSA_T_SPARSE_RESULT)
-		return 180;
+		return 573;
 	if (type == DOSA_T_DENSE_RESULT)
-		return 360;
+		return 860;
 	if (type == DOSA_T_RETX_REQUEST)
-		return 360;
+		return 860;
 	if (type == DOSA_T_STATUS)
-		return 360;
+		return 860;
 	return 0;
 }
 
@@ -175,7 +188,7 @@ static __always_inline int dosa_check_header(const struct dosa_hdr *h, __u32 ple
 		return DOSA_C_BAD_TYPE;
 	if ((f_count > dosa_max_entries(f_type)))
 		return DOSA_C_COUNT_MISMATCH;
-	if ((f_length != (DOSA_HDR_LEN + (dosa_entry_len(f_type) * f_count))))
+	if ((f_length != ((DOSA_HDR_LEN + (dosa_entry_len(f_type) * f_count)) + (dosa_odd_pad(f_type) * (f_count & 1)))))
 		return DOSA_C_COUNT_MISMATCH;
 	if (((f_flags & ~DOSA_F_VALID_MASK) != 0))
 		return DOSA_C_BAD_FIELD;
@@ -189,7 +202,7 @@ static __always_inline int dosa_check_header(const struct dosa_hdr *h, __u32 ple
 		return DOSA_C_BAD_FIELD;
 	if ((dosa_sequenced(f_type) & ((f_scale_exp < DOSA_SCALE_EXP_MIN) | (f_scale_exp > DOSA_SCALE_EXP_MAX))))
 		return DOSA_C_BAD_FIELD;
-	if ((dosa_sparse(f_type) & (f_base != 0)))
+	if ((dosa_sparse(f_type) & (f_base > DOSA_MAX_SPARSE_BASE)))
 		return DOSA_C_BAD_FIELD;
 	if (((f_worker_id >= DOSA_MAX_WORKERS) & (f_worker_id != DOSA_DPU_SENDER_ID)))
 		return DOSA_C_BAD_FIELD;

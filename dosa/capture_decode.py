@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from dosa import wire
-from dosa.capture_pcap import _be32, read_frames, udp_payloads
+from dosa.capture_pcap import _be16, _be32, read_frames, udp_payloads
+from dosa.errors import DosaError
 from dosa.wire import HDR_LEN, HEADER_DTYPE, PacketType
 
 # --------------------------------------------------------------------------------------------------
@@ -80,17 +81,19 @@ def _words(buf, at: np.ndarray) -> np.ndarray:
     return out
 
 
-def _entries(buf, hdr, start, rows, entry_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(packet row, absolute index, value) of every entry of packets ``rows``, which all have
-    ``entry_len``-byte entries (8: sparse (u32 index, s32 value); 4: dense s32 at base + position)."""
+def _entries(buf, hdr, start, rows, sparse: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(packet row, absolute index, value) of every entry of packets ``rows``, all sparse (u16
+    offsets from base, then the s32 values at wire.value_offset) or all dense (s32 values of
+    base + position)."""
     counts = hdr["count"][rows].astype(np.int64)
     pkt = np.repeat(rows, counts)
     pos = np.arange(len(pkt)) - np.repeat(np.cumsum(counts) - counts, counts)
-    at = start[pkt] + HDR_LEN + pos * entry_len
-    if entry_len == wire.SPARSE_ENTRY_LEN:
-        index, value = _words(buf, at), _words(buf, at + 4)
+    base = hdr["base"][pkt].astype(np.int64)
+    if sparse:
+        index = base + _be16(buf, start[pkt] + HDR_LEN + 2 * pos)
+        value = _words(buf, start[pkt] + wire.value_offset(counts[np.searchsorted(rows, pkt)]) + 4 * pos)
     else:
-        index, value = hdr["base"][pkt].astype(np.int64) + pos, _words(buf, at)
+        index, value = base + pos, _words(buf, start[pkt] + HDR_LEN + 4 * pos)
     return pkt, index, np.where(value >= 2**31, value - 2**32, value)  # s32 two's complement
 
 
@@ -119,6 +122,12 @@ def read_capture(path: str | Path, port: int | None = None) -> DosaCapture:
     raw = np.ascontiguousarray(_gather(buf, start, HDR_LEN))
     hdr = raw.view(HEADER_DTYPE).reshape(-1)
     code = wire.header_verdicts(hdr, length)
+    old = (hdr["version"] < wire.VERSION) & (hdr["magic"] == wire.MAGIC)
+    if old.any() and not (code == 0).any():
+        raise DosaError(f"{path} holds dosa protocol v{int(hdr['version'][old].max())} packets "
+                        f"({int(old.sum())} of them) and none of v{wire.VERSION}, the only version this "
+                        "dosa reads (v1's 8-byte absolute entries became v2's 6-byte partition-relative "
+                        "ones): read it with a dosa from before protocol v2")
     stats["malformed"] = int((code != 0).sum())
     by_reason: dict[str, int] = {}
     for c, n in zip(*np.unique(code, return_counts=True)):
@@ -133,7 +142,7 @@ def read_capture(path: str | Path, port: int | None = None) -> DosaCapture:
                         for t, n in zip(*np.unique(hdr["type"], return_counts=True))}
 
     t = hdr["type"].astype(np.int64)
-    parts = [_entries(buf, hdr, start, np.flatnonzero(_SPARSE[t]), wire.SPARSE_ENTRY_LEN),
-             _entries(buf, hdr, start, np.flatnonzero(_DENSE[t]), wire.DENSE_ENTRY_LEN)]
+    parts = [_entries(buf, hdr, start, np.flatnonzero(_SPARSE[t]), True),
+             _entries(buf, hdr, start, np.flatnonzero(_DENSE[t]), False)]
     entry_pkt, entry_index, entry_value = (np.concatenate(x) for x in zip(*parts))
     return DosaCapture(hdr, frame, start, length, buf, entry_pkt, entry_index, entry_value, stats)

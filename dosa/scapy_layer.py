@@ -1,15 +1,20 @@
 """Scapy layer for the dosa wire protocol: build, parse and display dosa packets in captures.
 
-The header fields are generated from ``dosa.wire.HEADER_FIELDS`` (names, order and sizes) so this
-layer cannot drift from the one definition; only the presentation is chosen here (hex magic, enum
-``type``, named ``flags``, ``count`` computed from the entry list when left as None). The payload is
-sized by ``count`` alone, exactly as the spec says, and the entry class is chosen by ``type``.
+Everything is generated from ``dosa.wire``'s tables, so this layer cannot drift from the one
+definition: the header fields from ``HEADER_FIELDS`` (names, order, sizes), the payload from
+``PAYLOAD_BLOCKS`` (one list field per block, ``offsets`` / ``values`` / ``seqs`` / ``worker_ids``,
+present for the packet types that carry it, each block zero-padded to 4 bytes). Only the
+presentation is chosen here (hex magic, enum ``type``, named ``flags``, ``count`` computed from the
+lists when left as None). The payload is sized by ``count`` and ``type`` alone, exactly as the spec
+says.
 
 Usage::
 
-    >>> from dosa.scapy_layer import Dosa, DosaSparseEntry
-    >>> p = Dosa(type="SPARSE_DATA", job_id=7, entries=[DosaSparseEntry(index=3, value=-5)])
-    >>> bytes(p) == dosa.wire.build_packet(Header(job_id=7), np.array([[3, -5]]))
+    >>> from dosa.scapy_layer import Dosa
+    >>> p = Dosa(type="SPARSE_DATA", job_id=7, base=4096, offsets=[3], values=[-5])
+    >>> p.indices()   # absolute indices: base + offset
+    [4099]
+    >>> bytes(p) == dosa.wire.build_packet(Header(job_id=7, base=4096), np.array([[4099, -5]]))
     True
 
 Importing this module binds the layer to UDP ``DEFAULT_PORT`` (source or destination); call
@@ -18,8 +23,10 @@ Importing this module binds the layer to UDP ``DEFAULT_PORT`` (source or destina
 """
 from __future__ import annotations
 
-from scapy.fields import (ByteEnumField, ByteField, FieldLenField, FlagsField, IntField,
-                          PacketListField, ShortField, SignedByteField, SignedIntField, XIntField)
+import numpy as np
+from scapy.fields import (ByteEnumField, ByteField, ConditionalField, FieldListField, FlagsField,
+                          IntField, ShortField, SignedByteField, SignedIntField, StrFixedLenField,
+                          XIntField)
 from scapy.layers.inet import UDP
 from scapy.packet import Packet, bind_bottom_up, bind_layers
 
@@ -27,6 +34,9 @@ from dosa import wire
 
 #: type value -> name, for ByteEnumField (shows ``SPARSE_DATA`` instead of ``1``).
 DOSA_TYPES = {int(t): t.name for t in wire.PacketType}
+#: payload block name (wire.PAYLOAD_BLOCKS) -> the scapy list field that carries it
+BLOCK_FIELDS = {"offset": "offsets", "value": "values", "seq": "seqs", "worker_id": "worker_ids"}
+_ELEMENT = {">u2": ShortField, ">i4": SignedIntField, ">u4": IntField}
 
 
 def _flag_names() -> list[str]:
@@ -36,68 +46,42 @@ def _flag_names() -> list[str]:
     return [bits.get(i, f"bit{i}") for i in range(width)]
 
 
-class DosaSparseEntry(Packet):
-    """(u32 index, s32 value): SPARSE_DATA values and SPARSE_RESULT sums."""
-
-    name = "DosaSparseEntry"
-    fields_desc = [IntField("index", 0), SignedIntField("value", 0)]
-
-    def extract_padding(self, s):
-        return b"", s
+def _types_with(block: str) -> set[int]:
+    return {int(t) for t, blocks in wire.PAYLOAD_BLOCKS.items() if block in dict(blocks)}
 
 
-class DosaDenseEntry(Packet):
-    """One s32 value of DENSE_DATA / DENSE_RESULT, for index ``base + position``."""
-
-    name = "DosaDenseEntry"
-    fields_desc = [SignedIntField("value", 0)]
-
-    def extract_padding(self, s):
-        return b"", s
+def _n(pkt) -> int:
+    """Entries of ``pkt``: its count, or (count left as None) the length of its first list."""
+    if pkt.count is not None:
+        return pkt.count
+    blocks = wire.PAYLOAD_BLOCKS[wire.PacketType(pkt.type)] if pkt.type in DOSA_TYPES else ()
+    return len(getattr(pkt, BLOCK_FIELDS[blocks[0][0]]) or []) if blocks else 0
 
 
-class DosaRetxEntry(Packet):
-    """One u32 result sequence number a host asks to be resent (RETX_REQUEST)."""
+class _CountField(ShortField):
+    """``count``: None on build means "the number of entries in the lists"."""
 
-    name = "DosaRetxEntry"
-    fields_desc = [IntField("seq", 0)]
-
-    def extract_padding(self, s):
-        return b"", s
+    def i2m(self, pkt, x):
+        return _n(pkt) if x is None else x
 
 
-class DosaStatusEntry(Packet):
-    """One u32 worker_id the DPU is still waiting for (STATUS)."""
-
-    name = "DosaStatusEntry"
-    fields_desc = [IntField("worker_id", 0)]
-
-    def extract_padding(self, s):
-        return b"", s
-
-
-ENTRY_CLASSES = {
-    wire.PacketType.SPARSE_DATA: DosaSparseEntry,
-    wire.PacketType.SPARSE_RESULT: DosaSparseEntry,
-    wire.PacketType.DENSE_DATA: DosaDenseEntry,
-    wire.PacketType.DENSE_RESULT: DosaDenseEntry,
-    wire.PacketType.RETX_REQUEST: DosaRetxEntry,
-    wire.PacketType.STATUS: DosaStatusEntry,
-}
-# Every type with entries has a class, and each class is exactly one wire entry long: a new packet
-# type in wire.py fails this import until it gets its entry class here.
-assert {t for t, n in wire.ENTRY_LEN.items() if n} == set(ENTRY_CLASSES), "entry class missing"
-assert all(len(c()) == wire.ENTRY_LEN[t] for t, c in ENTRY_CLASSES.items())
-
-
-def _entry(s: bytes, _parent=None) -> Packet:
-    """Dissect one entry; its class depends on the enclosing packet's ``type``."""
-    cls = ENTRY_CLASSES.get(_parent.type if _parent is not None else None)
-    if cls is None:  # HEARTBEAT or an unknown type claiming entries: keep the bytes visible
-        from scapy.packet import Raw
-
-        return Raw(s)
-    return cls(s)
+def _payload_fields() -> list:
+    """One list field per payload block, and a 2-byte pad after a 2-byte block of odd length."""
+    out, seen = [], set()
+    for blocks in wire.PAYLOAD_BLOCKS.values():
+        for name, dt in blocks:
+            if name in seen:
+                continue
+            seen.add(name)
+            types = _types_with(name)
+            field = FieldListField(BLOCK_FIELDS[name], [], _ELEMENT[dt](name, 0),
+                                   count_from=lambda pkt: _n(pkt), max_count=max(wire.MAX_ENTRIES.values()))
+            out.append(ConditionalField(field, lambda pkt, types=types: pkt.type in types))
+            if np.dtype(dt).itemsize == 2:
+                out.append(ConditionalField(
+                    StrFixedLenField(f"{name}_pad", b"\0\0", 2),
+                    lambda pkt, types=types: pkt.type in types and _n(pkt) & 1))
+    return out
 
 
 _SCALAR = {  # numpy dtype of HEADER_FIELDS -> scapy field class with the same size and sign
@@ -111,7 +95,7 @@ _DEFAULTS = {"magic": wire.MAGIC, "version": wire.VERSION, "type": int(wire.Pack
 
 
 def _header_field(name: str, dtype: str):
-    size = 8 * wire.np.dtype(dtype).itemsize
+    size = 8 * np.dtype(dtype).itemsize
     default = _DEFAULTS.get(name, 0)
     if name == "magic":
         return XIntField(name, default)
@@ -120,22 +104,27 @@ def _header_field(name: str, dtype: str):
     if name == "flags":
         return FlagsField(name, default, size, _flag_names())
     if name == "count":
-        return FieldLenField(name, None, count_of="entries", fmt="!" + wire.np.dtype(dtype).char)
+        return _CountField(name, None)
     return _SCALAR[dtype](name, default)
 
 
 class Dosa(Packet):
-    """The dosa v1 header (fields from ``wire.HEADER_FIELDS``) followed by ``count`` entries."""
+    """The dosa header (fields from ``wire.HEADER_FIELDS``) followed by its payload blocks."""
 
     name = "DOSA"
-    fields_desc = [_header_field(n, t) for n, t, _ in wire.HEADER_FIELDS] + [
-        PacketListField("entries", [], _entry, count_from=lambda pkt: pkt.count,
-                        max_count=max(wire.MAX_ENTRIES.values())),
-    ]
+    fields_desc = [_header_field(n, t) for n, t, _ in wire.HEADER_FIELDS] + _payload_fields()
 
     def extract_padding(self, s):
-        # Bytes beyond ``count`` entries are not part of the packet (a count mismatch on the wire).
+        # Bytes beyond the payload ``count`` sizes are not part of the packet (a count mismatch).
         return b"", s
+
+    def indices(self) -> list[int]:
+        """Absolute indices of the entries: base + offset (sparse), base + position (dense)."""
+        if self.type in _types_with("offset"):
+            return [self.base + o for o in self.offsets]
+        if self.type in _types_with("value"):
+            return [self.base + i for i in range(len(self.values))]
+        return []
 
     def mysummary(self):
         return self.sprintf(

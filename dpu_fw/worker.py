@@ -428,7 +428,7 @@ class DpuWorker:
         lp = np.where(inside, rt.local_of[np.where(inside, part, 0)], -1)
         owned = src_ok & (lp >= 0)
         self.stats["not_owner"] += int((src_ok & (lp < 0)).sum())
-        data = owned & (t == PacketType.SPARSE_DATA)
+        data = owned & ((t == PacketType.SPARSE_DATA) | (t == PacketType.DENSE_DATA))  # dense runs too
         retx = owned & (t == PacketType.RETX_REQUEST)
         other = owned & ~data & ~retx
         self.stats["heartbeat"] += int((other & (t == PacketType.HEARTBEAT)).sum())
@@ -448,7 +448,7 @@ class DpuWorker:
                 dup = d[verdict == DUP_OF_COMPLETE]
             else:
                 dup = d  # XDP passes only duplicates of a complete round to the socket
-                self.stats["dup_of_complete"] += len(d)
+                self.stats[VERDICTS[DUP_OF_COMPLETE]] += len(d)
             # answer each (partition, round, worker) once per batch, from the shadow copy
             if len(dup):
                 key = np.unique(np.stack([lp[dup], rnd[dup], w[dup]], 1), axis=0)

@@ -446,27 +446,47 @@ def recv_batch(int fd, uint8_t[:, ::1] data, int64_t[::1] lengths, uint32_t[::1]
         raise _os_error(err, "recvmmsg", 0)
     return rc
 
-def decode_sparse_entries(const uint8_t[:, ::1] data, const int64_t[::1] rows,
-                          const int64_t[::1] count, Py_ssize_t first_byte,
-                          uint32_t[::1] out_idx, int32_t[::1] out_val):
-    """Decode the (big-endian u32 index, big-endian s32 value) entries of packets ``rows`` (in that
-    order, ``count[k]`` entries each, starting at byte ``first_byte`` of a slot) into ``out_idx`` /
-    ``out_val``; returns the number written. The caller checks that this is the wire's
-    SPARSE_ENTRY_DTYPE layout (host_lib.client) and that the counts fit the slots (validated headers)."""
-    cdef Py_ssize_t k, j, m = 0, n = rows.shape[0], cap = out_idx.shape[0]
-    cdef const uint8_t* p
-    if count.shape[0] < n or out_val.shape[0] < cap:
-        raise ValueError("count needs a value per row and out_val as many slots as out_idx")
+def decode_entries(const uint8_t[:, ::1] data, const int64_t[::1] rows, const int64_t[::1] count,
+                   const int64_t[::1] base, const int64_t[::1] offset_at, const int64_t[::1] value_at,
+                   uint32_t[::1] out_idx, int32_t[::1] out_val):
+    """Decode the entries of packets ``rows`` (in that order, ``count[k]`` each) into ``out_idx`` /
+    ``out_val``; returns the number written. The layout comes from the caller (dosa.wire, through
+    host_lib.client): entry j of row k has index ``base[k]`` + the big-endian u16 at byte
+    ``offset_at[k] + 2 j`` of the slot (sparse) or ``base[k] + j`` when ``offset_at[k] < 0``
+    (dense), and the big-endian s32 value at byte ``value_at[k] + 4 j``. Rows whose entries would
+    not fit their slot stop the decoding (headers are validated before: never expected)."""
+    cdef Py_ssize_t k, j, m = 0, n = rows.shape[0], cap = out_idx.shape[0], width = data.shape[1]
+    cdef const uint8_t* po
+    cdef const uint8_t* pv
+    cdef int64_t c, b
+    if count.shape[0] < n or base.shape[0] < n or offset_at.shape[0] < n or value_at.shape[0] < n \
+            or out_val.shape[0] < cap:
+        raise ValueError("count, base, offset_at and value_at need a value per row, out_val as many "
+                         "slots as out_idx")
     with nogil:
         for k in range(n):
-            if count[k] < 0 or m + count[k] > cap or first_byte + 8 * count[k] > data.shape[1]:
+            c = count[k]
+            b = base[k]
+            if c < 0 or m + c > cap or value_at[k] < 0 or value_at[k] + 4 * c > width \
+                    or offset_at[k] + 2 * c > width or rows[k] < 0 or rows[k] >= data.shape[0]:
                 break
-            p = &data[rows[k], first_byte]
-            for j in range(count[k]):
-                out_idx[m] = (<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | p[3]
-                out_val[m] = <int32_t>((<uint32_t>p[4] << 24) | (<uint32_t>p[5] << 16) | (<uint32_t>p[6] << 8) | p[7])
-                p += 8
-                m += 1
+            pv = &data[rows[k], value_at[k]]
+            if offset_at[k] >= 0:
+                po = &data[rows[k], offset_at[k]]
+                for j in range(c):
+                    out_idx[m] = <uint32_t>(b + ((<uint32_t>po[0] << 8) | po[1]))
+                    out_val[m] = <int32_t>((<uint32_t>pv[0] << 24) | (<uint32_t>pv[1] << 16)
+                                           | (<uint32_t>pv[2] << 8) | pv[3])
+                    po += 2
+                    pv += 4
+                    m += 1
+            else:
+                for j in range(c):
+                    out_idx[m] = <uint32_t>(b + j)
+                    out_val[m] = <int32_t>((<uint32_t>pv[0] << 24) | (<uint32_t>pv[1] << 16)
+                                           | (<uint32_t>pv[2] << 8) | pv[3])
+                    pv += 4
+                    m += 1
     return m
 
 

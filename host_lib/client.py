@@ -2,7 +2,7 @@
 
 A round: packetize this host's sparse (index, q) entries into SPARSE_DATA packets for every partition
 (host_lib.packetizer), send them to each partition's owning DPU through a bounded window of partitions
-in flight, collect the SPARSE_RESULT packets of every partition, retransmit on timeouts, and return
+in flight, collect the result packets of every partition, retransmit on timeouts, and return
 the sums. Everything per packet is vectorized (one sendmmsg/recvmmsg per batch, numpy bookkeeping);
 Python loops only run over partitions whose timer fired.
 
@@ -37,9 +37,7 @@ from .quantize import choose_scale_exp, clip_bound, dequantize
 from . import _net
 from .transport import UdpEndpoint
 
-#: _net.decode_sparse_entries decodes (big-endian u32 index, big-endian s32 value) pairs: use it
-#: only while that is the wire's entry layout.
-_FAST_ENTRIES = wire.SPARSE_ENTRY_DTYPE == np.dtype([("index", ">u4"), ("value", ">i4")])
+_RESULT_TYPES = (PacketType.SPARSE_RESULT, PacketType.DENSE_RESULT)
 
 
 class AllreduceHandle:
@@ -323,21 +321,23 @@ class _Round:
             return np.zeros(0, np.uint32), np.zeros(0, np.int32)
         data = np.concatenate(self.raw) if len(self.raw) > 1 else self.raw[0]
         order = np.argsort(np.concatenate(self.raw_key), kind="stable")
-        count = np.concatenate(self.raw_count)[order]
-        offsets = np.zeros(len(order) + 1, np.int64)
-        np.cumsum(count, out=offsets[1:])
-        m = int(offsets[-1])
-        if _FAST_ENTRIES:  # one Cython pass (byte-swapping gather), ~5x the numpy gather below
-            idx, val = np.empty(m, np.uint32), np.empty(m, np.int32)
-            if _net.decode_sparse_entries(data, order.astype(np.int64), count, wire.HDR_LEN, idx, val) != m:
-                raise DosaError("result packets with more entries than their slots (a bug: headers "
-                                "are validated before)")
-        else:
-            word = np.repeat(order * (wire.STRIDE // 8) + wire.HDR_LEN // 8 - offsets[:-1], count)
-            word += np.arange(m, dtype=np.int64)
-            pairs = data.reshape(-1).view(np.uint64)[word].view(wire.SPARSE_ENTRY_DTYPE)
-            idx = pairs["index"].astype(np.uint32)
-            val = pairs["value"].astype(np.int32)
+        hdr = data.view(HEADER_DTYPE)[:, 0][order]
+        count = hdr["count"].astype(np.int64)
+        m = int(count.sum())
+        # where the blocks of each packet start comes from dosa.wire (PAYLOAD_BLOCKS): sparse u16
+        # offsets right after the header and the s32 values at value_offset; dense values after it
+        dense = hdr["type"] == PacketType.DENSE_RESULT
+        offset_at = np.where(dense, -1, wire.HDR_LEN).astype(np.int64)
+        value_at = np.where(dense, wire.HDR_LEN, wire.value_offset(count)).astype(np.int64)
+        idx, val = np.empty(m, np.uint32), np.empty(m, np.int32)
+        if _net.decode_entries(data, order.astype(np.int64), count, hdr["base"].astype(np.int64),
+                               offset_at, value_at, idx, val) != m:
+            raise DosaError("result packets with more entries than their slots (a bug: headers "
+                            "are validated before)")
+        if dense.any():  # a dense run carries the zero sums of its span too: they are no entries
+            keep = ~(np.repeat(dense, count) & (val == 0))
+            idx, val = idx[keep], val[keep]
+            m = len(idx)
         if m > 1 and not bool((idx[1:] > idx[:-1]).all()):  # not expected from a DPU: sort anyway
             o = np.argsort(idx, kind="stable")
             idx, val = idx[o], val[o]
@@ -381,7 +381,7 @@ class _Round:
         st = np.flatnonzero(mine & (t == PacketType.STATUS))
         if len(st):
             self._statuses(parse_batch(PacketBatch(b.data[st], b.lengths[st], b.dest[st]), on_error="drop"))
-        res = np.flatnonzero(mine & (t == PacketType.SPARSE_RESULT) & (hv["scale_exp"] == self.scale_exp))
+        res = np.flatnonzero(mine & np.isin(t, _RESULT_TYPES) & (hv["scale_exp"] == self.scale_exp))
         if not len(res):
             return False
         res = res[wire.header_ok(hv[res], np.asarray(b.lengths[res], np.int64))]

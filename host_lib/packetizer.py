@@ -1,21 +1,26 @@
 """Build and parse whole rounds of dosa packets at once, vectorized.
 
-A round of a 25M-entry gradient at density 0.01 is ~250k entries in ~1800 packets: one Python call
+A round of a 25M-entry gradient at density 0.01 is ~250k entries in ~1000 packets: one Python call
 per packet would cost more than the network. So everything here works on arrays:
 
-* ``packetize`` turns sorted (index, value) pairs into SPARSE_DATA packets for every partition of a
+* ``packetize`` turns sorted (index, value) pairs into data packets for every partition of a
   :class:`dosa.wire.PartitionMap` (empty partitions get their one ``count=0, total=1`` packet, which
   is how the DPU knows a partition is complete), written straight into the fixed-stride
-  :class:`dosa.wire.PacketBatch` buffer: headers through a ``HEADER_DTYPE`` view of each slot,
-  entries scattered as 8-byte words into the payload area.
-* ``packetize_partition_result`` / ``packetize_results`` do the same for SPARSE_RESULT packets (what a
-  DPU worker sends per completed partition), ``packetize_dense_result`` for DENSE_RESULT.
+  :class:`dosa.wire.PacketBatch` buffer: headers through a ``HEADER_DTYPE`` view of each slot, u16
+  offsets and s32 values scattered through big-endian views of the whole buffer. A partition goes
+  as SPARSE_DATA, or as one dense run (DENSE_DATA) where that is fewer bytes
+  (:func:`dosa.wire.encoded_bytes`, the break-even of docs/protocol.md).
+* ``packetize_partition_result`` / ``packetize_results`` do the same for results (what a DPU worker
+  sends per completed partition), ``packetize_dense_result`` for a whole DENSE_RESULT range,
+  ``packetize_control`` for RETX_REQUEST(all) / HEARTBEAT.
 * ``parse_batch`` validates every header at once (:func:`dosa.wire.header_verdicts`, the one
   validator; :func:`dosa.wire.validate_header` words the error of the first bad packet) and gathers
-  all entries into flat arrays with per-packet offsets.
+  all entries into flat arrays (absolute indices) with per-packet offsets.
 
-Buffer layout: packet ``i`` occupies ``batch.data[i, :batch.lengths[i]]`` (a 1472-byte slot): bytes
-0..31 are the header, then ``count`` big-endian 8-byte entries. Slot bytes past the length are zero.
+Packet sizes follow the job's MTU (``mtu=``; :func:`dosa.wire.entries_per_packet`). Buffer layout:
+packet ``i`` occupies ``batch.data[i, :batch.lengths[i]]`` of its slot (``wire.stride_for_mtu``
+bytes): the header, then the payload blocks of ``wire.PAYLOAD_BLOCKS``. Slot bytes past the length
+are zero.
 """
 from __future__ import annotations
 
@@ -26,17 +31,13 @@ import numpy as np
 from dosa import wire
 from dosa.wire import (
     DPU_SENDER_ID, FLAGS_VALID_MASK, HDR_LEN, HEADER_DTYPE, MAX_PACKETS_PER_CONTRIBUTION,
-    MAX_SPARSE_ENTRIES, MAX_DENSE_ENTRIES, STRIDE, Flags, PacketBatch, PacketType, PartitionMap,
-    ProtocolError,
+    Flags, PacketBatch, PacketType, PartitionMap, ProtocolError,
 )
 
-#: 8-byte words per packet slot (1472 / 8) and the word where the entries start (32 / 8).
-_WORDS_PER_SLOT = STRIDE // 8
-_FIRST_ENTRY_WORD = HDR_LEN // 8
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
-# The fixed-stride trick relies on these; they hold for wire v1.
-assert STRIDE % HEADER_DTYPE.itemsize == 0 and STRIDE % 8 == 0 and HDR_LEN % 8 == 0
+# The fixed-stride views rely on these: every slot and every payload block starts 4-byte aligned.
+assert wire.STRIDE % 8 == 0 and HDR_LEN % 4 == 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -80,11 +81,26 @@ def _partition_list(pmap: PartitionMap, partitions) -> np.ndarray:
     return parts
 
 
+def _per_packet(mtu: int) -> tuple[int, int, int]:
+    """(slot stride, sparse entries a packet, dense values a packet) at ``mtu``."""
+    return (wire.stride_for_mtu(mtu), wire.entries_per_packet(PacketType.SPARSE_DATA, mtu),
+            wire.entries_per_packet(PacketType.DENSE_DATA, mtu))
+
+
+_DENSE_OF = {PacketType.SPARSE_DATA: PacketType.DENSE_DATA, PacketType.SPARSE_RESULT: PacketType.DENSE_RESULT}
+
+
 def _build_sparse(ptype: int, indices: np.ndarray, values: np.ndarray, entry_part: np.ndarray,
-                  parts: np.ndarray, *, job_id: int, worker_id: int, round: int, scale_exp: int,
-                  flags: int, dest_of_part: np.ndarray) -> PacketBatch:
-    """Core builder. ``entry_part`` (per entry) must be non-decreasing and every value in ``parts``."""
+                  parts: np.ndarray, part_lo: np.ndarray, *, job_id: int, worker_id: int, round: int,
+                  scale_exp: int, flags: int, dest_of_part: np.ndarray, mtu: int,
+                  encoding: str) -> PacketBatch:
+    """Core builder. ``entry_part`` (per entry) must be non-decreasing and every value in ``parts``;
+    ``part_lo`` is each listed partition's first index. Each partition is sent in the encoding of
+    fewer bytes (``encoding="auto"``, wire.encoded_bytes) or sparse only (``"sparse"``)."""
     _check_header_args(job_id=job_id, worker_id=worker_id, round=round, scale_exp=scale_exp, flags=flags)
+    if encoding not in ("auto", "sparse"):
+        raise ValueError(f"encoding must be 'auto' or 'sparse', got {encoding!r}")
+    stride, per_s, per_d = _per_packet(mtu)
     n_parts = len(parts)
     # Entries per listed partition: entries are sorted by partition, so searchsorted gives the runs.
     starts = np.searchsorted(entry_part, parts, side="left")
@@ -93,28 +109,43 @@ def _build_sparse(ptype: int, indices: np.ndarray, values: np.ndarray, entry_par
         p = entry_part[~np.isin(entry_part, parts)][0]
         raise ValueError(f"entries fall in partition {int(p)}, which is not among the partitions to packetize")
     counts = ends - starts
-    npk = np.maximum(1, -(-counts // MAX_SPARSE_ENTRIES))
+    nonempty = counts > 0
+    first = np.where(nonempty, indices[np.minimum(starts, max(len(indices) - 1, 0))].astype(np.int64)
+                     if len(indices) else 0, 0)
+    last = np.where(nonempty, indices[np.maximum(ends - 1, 0)].astype(np.int64) if len(indices) else 0, 0)
+    span = np.where(nonempty, last - first + 1, 0)
+    if encoding == "auto":
+        sparse_b, dense_b = wire.encoded_bytes(counts, span, mtu)
+        dense = nonempty & (dense_b < sparse_b)
+    else:
+        dense = np.zeros(n_parts, bool)
+    npk = np.where(dense, -(-span // per_d), np.maximum(1, -(-counts // per_s)))
     if n_parts and npk.max() > MAX_PACKETS_PER_CONTRIBUTION:
         j = int(np.argmax(npk))
         raise ValueError(
             f"partition {int(parts[j])} has {int(counts[j])} entries, which needs {int(npk[j])} packets; "
-            f"the protocol allows {MAX_PACKETS_PER_CONTRIBUTION} x {MAX_SPARSE_ENTRIES} = "
-            f"{MAX_PACKETS_PER_CONTRIBUTION * MAX_SPARSE_ENTRIES} entries per partition "
-            f"(use smaller partitions or a lower density)")
+            f"the protocol allows {MAX_PACKETS_PER_CONTRIBUTION} x {per_s} = "
+            f"{MAX_PACKETS_PER_CONTRIBUTION * per_s} entries per partition at MTU {mtu} "
+            f"(use smaller partitions, a lower density or a larger MTU)")
     n = int(npk.sum())
     pk_start = np.zeros(n_parts + 1, np.int64)
     np.cumsum(npk, out=pk_start[1:])
 
-    # Per packet: its partition slot j, seq, count.
+    # Per packet: its partition slot j, seq, count, base.
     pj = np.repeat(np.arange(n_parts), npk)
     seq = np.arange(n, dtype=np.int64) - pk_start[:-1][pj]
-    cnt = np.clip(counts[pj] - seq * MAX_SPARSE_ENTRIES, 0, MAX_SPARSE_ENTRIES)
+    dpk = dense[pj]
+    cnt = np.where(dpk, np.clip(span[pj] - seq * per_d, 0, per_d),
+                   np.clip(counts[pj] - seq * per_s, 0, per_s))
+    sparse_base = np.minimum(part_lo, wire.MAX_SPARSE_BASE)
+    base = np.where(dpk, first[pj] + seq * per_d, sparse_base[pj])
+    ptypes = np.where(dpk, int(_DENSE_OF[ptype]), int(ptype))
 
-    batch = PacketBatch.empty(n)
+    batch = PacketBatch.empty(n, stride)
     hdr = batch.data.view(HEADER_DTYPE)[:, 0]
     hdr["magic"] = wire.MAGIC
     hdr["version"] = wire.VERSION
-    hdr["type"] = ptype
+    hdr["type"] = ptypes
     hdr["flags"] = flags | np.where(seq == npk[pj] - 1, int(Flags.LAST), 0)
     hdr["job_id"] = job_id
     hdr["worker_id"] = worker_id
@@ -124,21 +155,36 @@ def _build_sparse(ptype: int, indices: np.ndarray, values: np.ndarray, entry_par
     hdr["count"] = cnt
     hdr["total"] = npk[pj]
     hdr["scale_exp"] = scale_exp
-    batch.lengths[:] = HDR_LEN + 8 * cnt
+    hdr["base"] = base
+    batch.lengths[:] = wire.payload_length(ptypes, cnt)
     batch.dest[:] = dest_of_part[pj]
 
     k = len(indices)
-    if k:
-        # Packets are filled in order, so entry e lands in word e + shift[packet]: one repeat of a
-        # per-packet shift, no per-entry division. Each (index, value) pair is one 8-byte word.
-        pairs = np.empty(k, wire.SPARSE_ENTRY_DTYPE)
-        pairs["index"] = indices
-        pairs["value"] = values
-        first_entry = starts[pj] + seq * MAX_SPARSE_ENTRIES
-        shift = np.arange(n, dtype=np.int64) * _WORDS_PER_SLOT + _FIRST_ENTRY_WORD - first_entry
-        word = np.repeat(shift, cnt)
-        word += np.arange(k, dtype=np.int64)
-        batch.data.reshape(-1).view(np.uint64)[word] = pairs.view(np.uint64)
+    if not k:
+        return batch
+    flat = batch.data.reshape(-1)
+    u16, s32 = flat.view(wire.SPARSE_OFFSET_DTYPE), flat.view(wire.VALUE_DTYPE)
+    entry_dense = np.repeat(dense, counts)
+    if not entry_dense.all():
+        # Sparse partitions: packets are filled in order, so entry e of packet p sits at position
+        # e - first_entry[p]: one repeat of a per-packet shift each for the offset and value blocks.
+        sp = np.flatnonzero(~dpk)
+        first_entry = starts[pj[sp]] + seq[sp] * per_s
+        c = cnt[sp]
+        e = np.flatnonzero(~entry_dense)
+        row0 = sp * stride
+        off_word = np.repeat((row0 + HDR_LEN) // 2 - first_entry, c) + e
+        val_word = np.repeat((row0 + wire.value_offset(c)) // 4 - first_entry, c) + e
+        u16[off_word] = indices[e].astype(np.int64) - np.repeat(base[sp], c)
+        s32[val_word] = values[e]
+    if entry_dense.any():
+        # Dense runs: value of index i goes to packet (i - first) // per_d of its partition, position
+        # (i - first) % per_d; indices of the run that carry no entry stay 0 (they add nothing).
+        e = np.flatnonzero(entry_dense)
+        j = np.repeat(np.arange(n_parts), counts)[e]
+        rel = indices[e].astype(np.int64) - first[j]
+        row = pk_start[:-1][j] + rel // per_d
+        s32[(row * stride + HDR_LEN) // 4 + rel % per_d] = values[e]
     return batch
 
 
@@ -156,8 +202,10 @@ def _check_header_args(*, job_id, worker_id, round, scale_exp, flags):
 
 
 def packetize(indices, values, pmap: PartitionMap, *, job_id: int, worker_id: int, round: int,
-              scale_exp: int, flags: int = 0, partitions=None) -> PacketBatch:
-    """One worker's SPARSE_DATA packets for a round.
+              scale_exp: int, flags: int = 0, partitions=None, mtu: int = wire.DEFAULT_MTU,
+              encoding: str = "auto") -> PacketBatch:
+    """One worker's data packets for a round: SPARSE_DATA, or DENSE_DATA for a partition whose
+    entries are denser than the break-even (wire.encoded_bytes; ``encoding="sparse"`` never).
 
     Args:
         indices: absolute gradient positions, sorted ascending and unique (uint32 or any integer).
@@ -165,9 +213,10 @@ def packetize(indices, values, pmap: PartitionMap, *, job_id: int, worker_id: in
         pmap: the job's partition map; each packet's ``dest`` is ``pmap.owner(partition)``.
         partitions: optional sorted subset of partitions to build (e.g. a retransmission); every
             entry must fall in one of them. Default: all partitions.
+        mtu: the job's MTU: packets are as large as it allows (wire.entries_per_packet).
     Returns:
-        A PacketBatch with at least one packet per partition, partitions in ascending order,
-        ``seq`` ascending within a partition, at most 180 entries a packet.
+        A PacketBatch (slot stride wire.stride_for_mtu(mtu)) with at least one packet per
+        partition, partitions in ascending order, ``seq`` ascending within a partition.
     Raises:
         ValueError: indices outside [0, numel), unsorted/duplicate indices, mismatched lengths,
             values outside s32, or a partition needing more than 256 packets.
@@ -179,14 +228,16 @@ def packetize(indices, values, pmap: PartitionMap, *, job_id: int, worker_id: in
     parts = _partition_list(pmap, partitions)
     entry_part = (indices // np.uint32(pmap.partition_size)).astype(np.int64)
     dest = np.asarray(pmap.owner(np.arange(pmap.num_partitions)), np.int64)[parts]
-    return _build_sparse(PacketType.SPARSE_DATA, indices, values, entry_part, parts, job_id=job_id,
-                         worker_id=worker_id, round=round, scale_exp=scale_exp, flags=flags,
-                         dest_of_part=dest)
+    return _build_sparse(PacketType.SPARSE_DATA, indices, values, entry_part, parts,
+                         parts * pmap.partition_size, job_id=job_id, worker_id=worker_id, round=round,
+                         scale_exp=scale_exp, flags=flags, dest_of_part=dest, mtu=mtu, encoding=encoding)
 
 
 def packetize_results(indices, sums, pmap: PartitionMap, *, job_id: int, round: int, scale_exp: int,
-                      flags: int = 0, partitions=None, dest: int = -1) -> PacketBatch:
-    """SPARSE_RESULT packets (worker_id = DPU_SENDER_ID) for several partitions at once.
+                      flags: int = 0, partitions=None, dest: int = -1, mtu: int = wire.DEFAULT_MTU,
+                      encoding: str = "auto") -> PacketBatch:
+    """Result packets (SPARSE_RESULT, or DENSE_RESULT where denser than the break-even;
+    worker_id = DPU_SENDER_ID) for several partitions at once.
 
     Same rules as :func:`packetize`; ``dest`` (default -1 = every host) is written to every packet.
     """
@@ -195,22 +246,24 @@ def packetize_results(indices, sums, pmap: PartitionMap, *, job_id: int, round: 
         raise ValueError(f"packetize_results: index {int(indices[-1])} is outside [0, {pmap.numel})")
     parts = _partition_list(pmap, partitions)
     entry_part = (indices // np.uint32(pmap.partition_size)).astype(np.int64)
-    return _build_sparse(PacketType.SPARSE_RESULT, indices, sums, entry_part, parts, job_id=job_id,
-                         worker_id=DPU_SENDER_ID, round=round, scale_exp=scale_exp, flags=flags,
-                         dest_of_part=np.full(len(parts), dest, np.int64))
+    return _build_sparse(PacketType.SPARSE_RESULT, indices, sums, entry_part, parts,
+                         parts * pmap.partition_size, job_id=job_id, worker_id=DPU_SENDER_ID,
+                         round=round, scale_exp=scale_exp, flags=flags,
+                         dest_of_part=np.full(len(parts), dest, np.int64), mtu=mtu, encoding=encoding)
 
 
 def packetize_partition_result(indices, sums, *, job_id: int, partition: int, round: int,
                                scale_exp: int, flags: int = 0, dest: int = -1,
-                               bounds: tuple[int, int] | None = None) -> PacketBatch:
-    """SPARSE_RESULT packets of ONE completed partition: what a DPU worker calls per completion.
+                               bounds: tuple[int, int] | None = None, mtu: int = wire.DEFAULT_MTU,
+                               encoding: str = "auto") -> PacketBatch:
+    """Result packets of ONE completed partition (sparse, or dense where denser than the
+    break-even): what a DPU worker calls per completion.
 
     Args:
         indices: absolute indices of the non-zero sums, sorted ascending and unique.
         sums: the sums (any integer dtype, must fit s32; the clip bound guarantees it).
-        bounds: optional (lo, hi) of the partition; when given, indices outside it raise ValueError.
-    At most 256 x 180 = 46080 entries fit one partition's result; a denser partition should be sent
-    with :func:`packetize_dense_result`.
+        bounds: optional (lo, hi) of the partition; when given, indices outside it raise ValueError
+            and offsets count from lo (else from the first index).
     """
     indices, sums = _check_entries(indices, sums, "packetize_partition_result")
     if bounds is not None and len(indices):
@@ -220,15 +273,17 @@ def packetize_partition_result(indices, sums, *, job_id: int, partition: int, ro
                              f"outside partition {partition} bounds [{lo}, {hi})")
     if not 0 <= partition < wire.MAX_PARTITIONS:
         raise ValueError(f"partition {partition} outside 0..{wire.MAX_PARTITIONS - 1}")
+    lo = bounds[0] if bounds is not None else (int(indices[0]) if len(indices) else 0)
     return _build_sparse(PacketType.SPARSE_RESULT, indices, sums, np.full(len(indices), partition, np.int64),
-                         np.array([partition], np.int64), job_id=job_id, worker_id=DPU_SENDER_ID,
-                         round=round, scale_exp=scale_exp, flags=flags,
-                         dest_of_part=np.array([dest], np.int64))
+                         np.array([partition], np.int64), np.array([lo], np.int64), job_id=job_id,
+                         worker_id=DPU_SENDER_ID, round=round, scale_exp=scale_exp, flags=flags,
+                         dest_of_part=np.array([dest], np.int64), mtu=mtu, encoding=encoding)
 
 
 def packetize_dense_result(sums, *, base: int, job_id: int, partition: int, round: int, scale_exp: int,
-                           flags: int = 0, dest: int = -1) -> PacketBatch:
-    """DENSE_RESULT packets for sums of indices ``[base, base + len(sums))`` (360 values a packet)."""
+                           flags: int = 0, dest: int = -1, mtu: int = wire.DEFAULT_MTU) -> PacketBatch:
+    """DENSE_RESULT packets for sums of indices ``[base, base + len(sums))`` (as many values a
+    packet as ``mtu`` allows)."""
     sums = np.asarray(sums)
     _check_header_args(job_id=job_id, worker_id=DPU_SENDER_ID, round=round, scale_exp=scale_exp, flags=flags)
     if sums.ndim != 1 or (len(sums) and not np.issubdtype(sums.dtype, np.integer)):
@@ -237,25 +292,26 @@ def packetize_dense_result(sums, *, base: int, job_id: int, partition: int, roun
         raise ValueError("packetize_dense_result: sums must fit an s32")
     if not (0 <= base and base + len(sums) <= 2**32):
         raise ValueError("packetize_dense_result: base + len(sums) must fit a u32")
+    stride, _, per_d = _per_packet(mtu)
     m = len(sums)
-    n = max(1, -(-m // MAX_DENSE_ENTRIES))
+    n = max(1, -(-m // per_d))
     if n > MAX_PACKETS_PER_CONTRIBUTION:
         raise ValueError(f"{m} dense sums need {n} packets, more than {MAX_PACKETS_PER_CONTRIBUTION}")
     seq = np.arange(n, dtype=np.int64)
-    cnt = np.clip(m - seq * MAX_DENSE_ENTRIES, 0, MAX_DENSE_ENTRIES)
-    batch = PacketBatch.empty(n)
+    cnt = np.clip(m - seq * per_d, 0, per_d)
+    batch = PacketBatch.empty(n, stride)
     hdr = batch.data.view(HEADER_DTYPE)[:, 0]
     hdr["magic"], hdr["version"], hdr["type"] = wire.MAGIC, wire.VERSION, PacketType.DENSE_RESULT
     hdr["flags"] = flags | np.where(seq == n - 1, int(Flags.LAST), 0)
     hdr["job_id"], hdr["worker_id"], hdr["partition"], hdr["round"] = job_id, DPU_SENDER_ID, partition, round
     hdr["seq"], hdr["count"], hdr["total"], hdr["scale_exp"] = seq, cnt, n, scale_exp
-    hdr["base"] = base + seq * MAX_DENSE_ENTRIES
-    batch.lengths[:] = HDR_LEN + 4 * cnt
+    hdr["base"] = base + seq * per_d
+    batch.lengths[:] = wire.payload_length(PacketType.DENSE_RESULT, cnt)
     batch.dest[:] = dest
     if m:
-        padded = np.zeros(n * MAX_DENSE_ENTRIES, wire.DENSE_ENTRY_DTYPE)
+        padded = np.zeros(n * per_d, wire.DENSE_ENTRY_DTYPE)
         padded[:m] = sums
-        batch.data[:, HDR_LEN:HDR_LEN + 4 * MAX_DENSE_ENTRIES] = padded.view(np.uint8).reshape(n, -1)
+        batch.data[:, HDR_LEN:HDR_LEN + 4 * per_d] = padded.view(np.uint8).reshape(n, -1)
     return batch
 
 
@@ -274,7 +330,7 @@ def packetize_control(ptype: int, partitions, *, job_id: int, worker_id: int, ro
     hdr["magic"], hdr["version"], hdr["type"] = wire.MAGIC, wire.VERSION, ptype
     hdr["job_id"], hdr["worker_id"], hdr["round"] = job_id, worker_id, round
     hdr["partition"], hdr["total"] = parts, 1
-    batch.lengths[:] = wire.expected_length(ptype, 0)
+    batch.lengths[:] = wire.payload_length(ptype, 0)
     batch.dest[:] = dest
     return batch
 
@@ -333,9 +389,10 @@ def parse_batch(batch: PacketBatch, *, on_error: str = "raise") -> ParsedPackets
     if on_error not in ("raise", "drop"):
         raise ValueError(f"on_error must be 'raise' or 'drop', got {on_error!r}")
     n = len(batch)
+    stride = batch.data.shape[1]
     lengths = np.asarray(batch.lengths, np.int64)
-    if n and (lengths.min() < 0 or lengths.max() > STRIDE):
-        raise ValueError(f"batch lengths must lie in 0..{STRIDE}")
+    if n and (lengths.min() < 0 or lengths.max() > stride):
+        raise ValueError(f"batch lengths must lie in 0..{stride}")
     hdr_view = batch.data.view(HEADER_DTYPE)[:, 0] if n else np.zeros(0, HEADER_DTYPE)
     bad = ~wire.header_ok(hdr_view, lengths)
     kept = np.arange(n, dtype=np.int64)
@@ -355,29 +412,30 @@ def parse_batch(batch: PacketBatch, *, on_error: str = "raise") -> ParsedPackets
     values = np.empty(m, np.int32)
     if m:
         flat = batch.data.reshape(-1)
-        if _SPARSE[t].all():  # the common case: one gather of 8-byte words
-            word = np.repeat(kept * _WORDS_PER_SLOT + _FIRST_ENTRY_WORD - offsets[:-1], count)
-            word += np.arange(m, dtype=np.int64)
-            pairs = flat.view(np.uint64)[word].view(wire.SPARSE_ENTRY_DTYPE)
-            indices[:] = pairs["index"]
-            values[:] = pairs["value"]
+        u16, s32, u32 = flat.view(wire.SPARSE_OFFSET_DTYPE), flat.view(wire.VALUE_DTYPE), flat.view(">u4")
+        base = hdr["base"].astype(np.int64)
+        row0 = kept * stride
+        # entry e of packet p sits at position e - offsets[p]: a per-packet shift, repeated
+        shift = np.repeat(-offsets[:-1], count) + np.arange(m, dtype=np.int64)
+        if _SPARSE[t].all():  # the common case: two gathers (offsets, values), no masks
+            indices[:] = np.repeat(base, count) + u16[np.repeat((row0 + HDR_LEN) // 2, count) + shift]
+            values[:] = s32[np.repeat((row0 + wire.value_offset(count)) // 4, count) + shift]
         else:
-            pkt_of_entry = np.repeat(np.arange(len(kept)), count)
-            pos = np.arange(m, dtype=np.int64) - offsets[:-1][pkt_of_entry]
-            slot = kept[pkt_of_entry]
-            sp = _SPARSE[t][pkt_of_entry]
-            u32 = flat.view(">u4")
-            # sparse: word pairs at 8 + 2*pos; dense and retx: one word at 8 + pos (header = 8 words)
-            w0 = slot * (STRIDE // 4) + HDR_LEN // 4
-            ix_sp = w0[sp] + 2 * pos[sp]
-            indices[sp] = u32[ix_sp]
-            values[sp] = u32[ix_sp + 1].astype(np.uint32).view(np.int32)
-            de = _DENSE[t][pkt_of_entry]
-            word = u32[w0[~sp] + pos[~sp]].astype(np.uint32)
-            is_dense = de[~sp]
-            tmp_i = np.where(is_dense, (hdr["base"].astype(np.int64)[pkt_of_entry][~sp] + pos[~sp]), word)
-            indices[~sp] = tmp_i.astype(np.uint32)
-            values[~sp] = np.where(is_dense, word.view(np.int32), 0)
+            sp = np.repeat(_SPARSE[t], count)
+            de = np.repeat(_DENSE[t], count)
+            b = np.repeat(base, count)
+            first_word = np.repeat((row0 + HDR_LEN) // 4, count) + shift
+            idx = np.where(de, b + shift, 0)
+            val = np.zeros(m, np.int64)
+            if sp.any():
+                idx[sp] = b[sp] + u16[np.repeat((row0 + HDR_LEN) // 2, count)[sp] + shift[sp]]
+                val[sp] = s32[np.repeat((row0 + wire.value_offset(count)) // 4, count)[sp] + shift[sp]]
+            other = ~sp
+            word = u32[first_word[other]].astype(np.int64)
+            idx[other] = np.where(de[other], idx[other], word)
+            val[other] = np.where(de[other], word.astype(np.uint32).view(np.int32), 0)
+            indices[:] = idx.astype(np.uint32)
+            values[:] = val.astype(np.int32)
     return ParsedPackets(headers=hdr, offsets=offsets, indices=indices, values=values, kept=kept,
                          dropped=dropped)
 

@@ -53,11 +53,13 @@ def _parse_rate(rate) -> float | None:
         raise ValueError(f"link rate {rate!r} is not a rate like 1gbit, 100mbit or 1e9") from None
 
 
-def _packets_and_bytes(counts: np.ndarray) -> tuple[int, int]:
-    """Packets and wire bytes of sparse packets carrying ``counts[p]`` entries for each partition p."""
+def _packets_and_bytes(counts: np.ndarray, mtu: int = wire.DEFAULT_MTU) -> tuple[int, int]:
+    """Packets and wire bytes of sparse packets carrying ``counts[p]`` entries for each partition p
+    (wire.encoded_bytes; dense runs are not modelled: at top-k densities the packetizer picks none)."""
     counts = np.asarray(counts, np.int64)
-    npk = np.maximum(1, -(-counts // wire.MAX_SPARSE_ENTRIES))
-    return int(npk.sum()), int(npk.sum() * PACKET_OVERHEAD + wire.SPARSE_ENTRY_LEN * counts.sum())
+    npk = np.maximum(1, -(-counts // wire.entries_per_packet(wire.PacketType.SPARSE_DATA, mtu)))
+    sparse, _ = wire.encoded_bytes(counts, counts, mtu)
+    return int(npk.sum()), int(sparse.sum())
 
 
 def dosa_traffic(index_sets: list[np.ndarray], numel: int, *, dpus: int = 1,

@@ -70,16 +70,19 @@ class Harness:
     def data(self, j: JobInfo, worker: int, partition: int, round: int, idx, val, scale: int = 0,
              per_packet: int = wire.MAX_SPARSE_ENTRIES) -> list[bytes]:
         """The frames of one worker's contribution to (round, partition): chunks of sorted entries
-        with seq/total/LAST; one empty packet when there are no entries."""
+        with seq/total/LAST, offsets from the partition's first index; one empty packet when there
+        are no entries."""
         idx = np.asarray(idx, np.int64)
         val = np.asarray(val, np.int64)
         chunks = [slice(s, s + per_packet) for s in range(0, len(idx), per_packet)] or [slice(0, 0)]
         total = len(chunks)
         out = []
+        lo = j.bounds(partition)[0] if partition < j.num_partitions else 0
+        base = min(lo, int(idx.min())) if len(idx) else lo  # below lo only for out-of-partition tests
         for seq, sl in enumerate(chunks):
             h = wire.Header(type=wire.PacketType.SPARSE_DATA, job_id=j.job_id, worker_id=worker,
                             partition=partition, round=round, seq=seq, total=total, scale_exp=scale,
-                            flags=int(wire.Flags.LAST) if seq == total - 1 else 0)
+                            flags=int(wire.Flags.LAST) if seq == total - 1 else 0, base=base)
             ent = np.stack([idx[sl], val[sl]], axis=1) if len(idx[sl]) else None
             out.append(self.frame(wire.build_packet(h, ent), worker))
         return out

@@ -14,7 +14,7 @@ from dosa import wire
 pytestmark = [pytest.mark.root, pytest.mark.timeout(180)]
 
 
-def contributions(h, rng, j, round_, scale=0, per_packet=180, density=0.5):
+def contributions(h, rng, j, round_, scale=0, per_packet=wire.MAX_SPARSE_ENTRIES, density=0.5):
     """{partition: [frames]} for every worker, and the dense reference sums per partition."""
     frames, ref = {}, {}
     for p in j.owned_partitions():
@@ -192,3 +192,55 @@ def test_rounds_stay_exact_while_late_duplicates_race_advance(h):
         t.join()
     c = h.counters()
     assert c[Counter.COMPLETIONS] == 40 and c[Counter.INTERNAL] == 0
+
+
+def test_largest_mtu_packets_merge_every_entry(h):
+    """Full packets of the largest MTU (573 sparse entries, 860 dense values, 3514-byte frames) run
+    the XDP loops to their bounds: every entry lands, nothing past count is read."""
+    mtu = wire.MAX_MTU
+    j = h.job(workers=1, numel=200000, partition_size=65536)
+    rng = np.random.default_rng(7)
+    idx = np.sort(rng.choice(np.arange(65536, 131072), wire.RX_MAX_SPARSE_ENTRIES, replace=False))
+    val = rng.integers(-2**31, 2**31 - 1, len(idx))
+    dense_vals = rng.integers(-1000, 1000, wire.RX_MAX_DENSE_ENTRIES)
+    frames = h.data(j, 0, 1, 0, idx, val, per_packet=wire.RX_MAX_SPARSE_ENTRIES)
+    hd = wire.Header(type=wire.PacketType.DENSE_DATA, job_id=j.job_id, partition=0, total=1,
+                     flags=int(wire.Flags.LAST), base=1000)
+    frames.append(h.frame(wire.build_packet(hd, dense_vals)))
+    assert [len(f) for f in frames] == [mtu + 14, mtu + 14]  # Ethernet + a full IPv4 packet
+    assert h.run_all(frames) == [XDP_DROP, XDP_DROP]
+    ref = np.zeros(65536, np.int64)
+    ref[idx - 65536] = val
+    assert np.array_equal(h.maps.buffer(j.job_id, 1, 0), ref)
+    ref0 = np.zeros(65536, np.int64)
+    ref0[1000:1000 + len(dense_vals)] = dense_vals
+    assert np.array_equal(h.maps.buffer(j.job_id, 0, 0), ref0)
+    assert h.counters()[Counter.MERGED] == 2
+
+
+@pytest.mark.parametrize("mtu", [wire.MIN_MTU, wire.DEFAULT_MTU, wire.MAX_MTU])
+def test_packetizer_rounds_merge_exactly_at_every_mtu(h, mtu):
+    """host_lib.packetizer's packets (sparse partitions and a dense run) through the program."""
+    from host_lib.packetizer import packetize
+
+    j = h.job(workers=2, numel=150000, partition_size=65536)
+    pm = wire.PartitionMap(j.numel, j.partition_size)
+    rng = np.random.default_rng(mtu)
+    ref = np.zeros(j.numel, np.int64)
+    frames = []
+    for w in range(2):
+        idx = np.unique(np.r_[rng.choice(131072, 3000, replace=False), np.arange(131072 + 10, 131072 + 9000)])
+        val = rng.integers(-10**6, 10**6, len(idx)).astype(np.int32)
+        np.add.at(ref, idx, val)
+        b = packetize(idx.astype(np.uint32), val, pm, job_id=j.job_id, worker_id=w, round=0,
+                      scale_exp=0, mtu=mtu)
+        types = set(b.headers()["type"].tolist())
+        assert types == {wire.PacketType.SPARSE_DATA, wire.PacketType.DENSE_DATA}  # the run went dense
+        frames += [h.frame(b.packet(i), w) for i in range(len(b))]
+    assert max(len(f) for f in frames) <= mtu + 14
+    assert set(h.run_all(frames)) == {XDP_DROP}
+    assert h.counters()[Counter.MERGED] == len(frames)
+    for p in range(pm.num_partitions):
+        lo, hi = pm.bounds(p)
+        assert np.array_equal(h.maps.buffer(j.job_id, p, 0)[:hi - lo], ref[lo:hi]), p
+    assert len(h.maps.poll_completions(0)) == pm.num_partitions

@@ -16,7 +16,8 @@ from scapy.utils import PcapNgWriter, RawPcapWriter, wrpcap
 from dosa import wire
 from dosa.capture import read_capture, summarize, verify
 from dosa.cli import main as dosa_main
-from dosa.wire import DPU_SENDER_ID, Flags, Header, PacketType
+from dosa.errors import DosaError
+from dosa.wire import DPU_SENDER_ID, Flags, Header, PacketType, PartitionMap
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,7 +55,7 @@ class Fabric:
             h = Header(type=PacketType.SPARSE_DATA if dense_base is None else PacketType.DENSE_DATA,
                        job_id=job, worker_id=worker, partition=part, round=rnd, seq=s, total=len(ch),
                        flags=Flags.LAST if s == len(ch) - 1 else 0, scale_exp=scale,
-                       base=0 if dense_base is None else dense_base + int(c[0]) if len(c) else dense_base)
+                       base=part * PSIZE if dense_base is None else dense_base + int(c[0]) if len(c) else dense_base)
             ent = np.stack([idx[c], val[c]], 1) if dense_base is None else val[c]
             self.frames.append((("data", job, rnd, part, worker, s),
                                 self._udp(f"10.0.0.{worker + 1}", wire.build_packet(h, ent))))
@@ -68,7 +69,7 @@ class Fabric:
                 h = Header(type=PacketType.SPARSE_RESULT if dense_base is None else PacketType.DENSE_RESULT,
                            job_id=job, worker_id=DPU_SENDER_ID, partition=part, round=rnd, seq=s,
                            total=len(ch), flags=flags, scale_exp=scale,
-                           base=0 if dense_base is None else dense_base + (int(c[0]) if len(c) else 0))
+                           base=part * PSIZE if dense_base is None else dense_base + (int(c[0]) if len(c) else 0))
                 ent = np.stack([idx[c], val[c]], 1) if dense_base is None else val[c]
                 self.frames.append((("result", job, rnd, part, copy, s),
                                     self._udp("10.0.9.1", wire.build_packet(h, ent), dport=40000,
@@ -133,10 +134,11 @@ def test_flipped_result_value_is_named(tmp_path):
     f = _standard()
     k, pkt = _result_frame(f, 1, 2)
     b = bytearray(bytes(pkt[Raw]))
-    at = wire.HDR_LEN + 8 * 3  # 4th entry
-    index = int.from_bytes(b[at:at + 4], "big")
-    old = int.from_bytes(b[at + 4:at + 8], "big", signed=True)
-    b[at + 4:at + 8] = (old + 1).to_bytes(4, "big", signed=True)
+    h = Header.unpack(bytes(b))
+    index = h.base + int.from_bytes(b[wire.HDR_LEN + 2 * 3:wire.HDR_LEN + 2 * 4], "big")  # 4th entry
+    at = wire.value_offset(h.count) + 4 * 3
+    old = int.from_bytes(b[at:at + 4], "big", signed=True)
+    b[at:at + 4] = (old + 1).to_bytes(4, "big", signed=True)
     # corrupt every copy of that result packet, as a buggy DPU would
     for c in range(2):
         kk, p = _result_frame(f, 1, 2, copy=c)
@@ -455,3 +457,63 @@ def test_packets_from_host_lib_packetizer_verify(tmp_path):
     rep = verify(read_capture(write(tmp_path / "h2.pcap", wrong)))
     assert not rep["ok"] and {m["partition"] for m in rep["mismatches"]} == set(range(5))
     assert all(set(m["kinds"]) == {"wrong_value"} for m in rep["mismatches"])
+
+
+def _v1_packet(job, part, idx_val) -> bytes:
+    """A protocol v1 SPARSE_DATA payload as v1 wrote it: the same header with version 1, then
+    8-byte (u32 absolute index, s32 value) entries."""
+    h = Header(job_id=job, partition=part, flags=Flags.LAST, count=len(idx_val), version=1)
+    return h.pack() + b"".join(int(i).to_bytes(4, "big") + int(v).to_bytes(4, "big", signed=True)
+                               for i, v in idx_val)
+
+
+def test_v1_capture_is_refused_in_one_sentence(tmp_path, capsys):
+    f = Fabric(3)
+    pk = [f._udp("10.0.0.1", _v1_packet(JOB, 0, [(1, 2), (5, -3)])) for _ in range(3)]
+    path = tmp_path / "v1.pcap"
+    wrpcap(str(path), pk)
+    with pytest.raises(DosaError, match=r"protocol v1 packets \(3 of them\).*only version this dosa reads"):
+        read_capture(path)
+    rc, out = _cli("capture", "verify", str(path), capsys=capsys)
+    assert rc == 2 and "protocol v1" in out.err and "Traceback" not in out.err
+    assert len(out.err.strip().splitlines()) == 1
+    # mixed with v2 traffic, v1 packets are malformed (bad_version) and the rest is read
+    g = _standard()
+    cap = read_capture(g.write(tmp_path / "mixed.pcap", extra=pk))
+    assert cap.stats["malformed_by_reason"] == {"bad_version": 3} and verify(cap)["ok"]
+
+
+@pytest.mark.parametrize("mtu", [wire.DEFAULT_MTU, wire.MAX_MTU])
+def test_packetizer_rounds_with_dense_runs_verify(tmp_path, mtu):
+    """What host_lib.packetizer sends (sparse partitions, a dense run, results both ways) at any
+    MTU reads back and verifies; a wrong sum in a dense result is named."""
+    from host_lib.packetizer import packetize, packetize_results
+
+    pm = PartitionMap(numel=150000, partition_size=65536)
+    rng = np.random.default_rng(5)
+    f = Fabric(0)
+    total = np.zeros(pm.numel, np.int64)
+    pkts = []
+    for w in range(2):
+        idx = np.unique(np.r_[rng.choice(131072, 2000, replace=False), np.arange(131072, 140000)])
+        val = rng.integers(-100, 100, len(idx)).astype(np.int32)
+        np.add.at(total, idx, val)
+        b = packetize(idx.astype(np.uint32), val, pm, job_id=JOB, worker_id=w, round=0, scale_exp=4, mtu=mtu)
+        pkts += [f._udp(f"10.0.0.{w + 1}", b.packet(i)) for i in range(len(b))]
+    nz = np.flatnonzero(total)
+    r = packetize_results(nz.astype(np.uint32), total[nz].astype(np.int32), pm, job_id=JOB, round=0,
+                          scale_exp=4, mtu=mtu)
+    types = set(r.headers()["type"].tolist())
+    assert types == {PacketType.SPARSE_RESULT, PacketType.DENSE_RESULT}
+    res = [f._udp("10.0.9.1", r.packet(i), dport=40000, sport=PORT) for i in range(len(r))]
+    path = tmp_path / "v2.pcap"
+    wrpcap(str(path), pkts + res)
+    rep = verify(read_capture(path))
+    assert rep["ok"] and rep["verified"] == pm.num_partitions, rep
+    d = int(np.flatnonzero(r.headers()["type"] == PacketType.DENSE_RESULT)[0])
+    bad = bytearray(r.packet(d))
+    bad[wire.HDR_LEN + 3] ^= 1  # the first dense sum
+    res[d] = f._udp("10.0.9.1", bytes(bad), dport=40000, sport=PORT)
+    wrpcap(str(path), pkts + res)
+    rep = verify(read_capture(path))
+    assert not rep["ok"] and rep["mismatches"][0]["kinds"] == {"wrong_value": 1}

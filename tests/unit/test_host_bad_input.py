@@ -47,13 +47,20 @@ def test_packetize_rejects(idx, vals, msg):
 
 
 def test_packetize_rejects_too_many_entries_for_one_partition():
-    pmap = PartitionMap(100_000, partition_size=50_000)
-    idx = np.arange(0, 46_081, dtype=np.uint32)
-    with pytest.raises(ValueError, match=r"partition 0 has 46081 entries, which needs 257 packets"):
-        packetize(idx, np.ones(len(idx), np.int32), pmap, **ARGS)
-    # 46080 still fits exactly 256 packets
-    b = packetize(idx[:-1], np.ones(len(idx) - 1, np.int32), pmap, **ARGS)
-    assert len(b) == 256 + 1
+    pmap = PartitionMap(140_000, partition_size=65_536)
+    idx = np.arange(0, 256 * 240 + 1, dtype=np.uint32)
+    with pytest.raises(ValueError, match=r"partition 0 has 61441 entries, which needs 257 packets"):
+        packetize(idx, np.ones(len(idx), np.int32), pmap, encoding="sparse", **ARGS)
+    # 61440 still fit exactly 256 packets
+    b = packetize(idx[:-1], np.ones(len(idx) - 1, np.int32), pmap, encoding="sparse", **ARGS)
+    assert len(b) == 256 + 2
+    # sent the default way, such a partition is one dense run: 171 packets of 360 values
+    b = packetize(idx, np.ones(len(idx), np.int32), pmap, **ARGS)
+    assert len(b) == 171 + 2
+    # at the smallest MTU a sparse-enough partition can still overflow, with a sentence
+    spread = np.arange(0, 65_536, 2, dtype=np.uint32)[:256 * 86 + 1]
+    with pytest.raises(ValueError, match=r"needs 257 packets.*at MTU 576"):
+        packetize(spread, np.ones(len(spread), np.int32), pmap, mtu=576, **ARGS)
 
 
 @pytest.mark.parametrize("field, value", [("job_id", 0), ("worker_id", 64), ("round", -1),
@@ -90,7 +97,7 @@ def test_truncated_buffers():
 
 
 @pytest.mark.parametrize("offset, value, exc", [
-    (0, 0x00, wire.BadMagic), (4, 2, wire.BadVersion), (5, 99, wire.BadType), (5, 0, wire.BadType),
+    (0, 0x00, wire.BadMagic), (4, 1, wire.BadVersion), (4, 3, wire.BadVersion), (5, 99, wire.BadType), (5, 0, wire.BadType),
     (27, 1, wire.BadField), (7, 0x80, wire.BadField),
 ])
 def test_wrong_magic_version_type_fields(offset, value, exc):
@@ -105,10 +112,10 @@ def test_count_vs_length():
     body = np.array([[1, 1], [2, 2]])
     raw = wire.build_packet(h, body)
     with pytest.raises(wire.CountMismatch):
-        parse_batch(_batch(raw + b"\0" * 8))  # two entries announced, three carried
+        parse_batch(_batch(raw + b"\0" * 6))  # two entries announced, three carried
     too_many = bytearray(raw)
-    too_many[22:24] = (181).to_bytes(2, "big")
-    with pytest.raises(wire.CountMismatch, match="exceeds the maximum 180"):
+    too_many[22:24] = (wire.RX_MAX_SPARSE_ENTRIES + 1).to_bytes(2, "big")
+    with pytest.raises(wire.CountMismatch, match=f"exceeds the maximum {wire.RX_MAX_SPARSE_ENTRIES}"):
         parse_batch(_batch(bytes(too_many)))
 
 

@@ -71,16 +71,19 @@ def test_empty_contribution_is_one_empty_packet_per_partition():
         assert b.dest[i] == i % 2
 
 
-def test_packet_split_at_180_entries_with_last_flag():
+def test_packet_split_at_240_entries_with_last_flag():
     pmap = PartitionMap(1000, partition_size=1000)
-    idx = np.arange(361, dtype=np.uint32)
+    idx = np.arange(0, 722, 2, dtype=np.uint32)  # 361 entries at half density: sparse is smaller
     b = packetize(idx, idx.astype(np.int32), pmap, job_id=1, worker_id=1, round=0, scale_exp=0,
                   flags=int(Flags.RETRANSMIT))
     hs = [wire.parse_packet(b.packet(i))[0] for i in range(len(b))]
-    assert [h.count for h in hs] == [180, 180, 1]
-    assert [h.seq for h in hs] == [0, 1, 2] and {h.total for h in hs} == {3}
-    assert [h.flags for h in hs] == [Flags.RETRANSMIT] * 2 + [Flags.RETRANSMIT | Flags.LAST]
-    assert list(b.lengths) == [32 + 8 * 180, 32 + 8 * 180, 40]
+    assert [h.count for h in hs] == [240, 121]
+    assert [h.seq for h in hs] == [0, 1] and {h.total for h in hs} == {2}
+    assert [h.flags for h in hs] == [Flags.RETRANSMIT, Flags.RETRANSMIT | Flags.LAST]
+    assert list(b.lengths) == [32 + 6 * 240, 32 + 6 * 121 + 2]  # an odd count pads the offsets
+    big = packetize(np.arange(1000, dtype=np.uint32)[::2], np.ones(500, np.int32), pmap, job_id=1,
+                    worker_id=1, round=0, scale_exp=0, mtu=wire.MAX_MTU)
+    assert big.headers()["count"].tolist() == [500] and big.stride == wire.stride_for_mtu(wire.MAX_MTU)
 
 
 def test_partition_subset_only_builds_those():
@@ -96,16 +99,25 @@ def test_partition_subset_only_builds_those():
                   scale_exp=0, partitions=[3])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(numel=st.integers(1, 5000), psize=st.integers(1, 700), ndpu=st.integers(1, 4),
-       density=st.floats(0, 1), seed=st.integers(0, 2**32 - 1))
-def test_hypothesis_round_trip_matches_wire(numel, psize, ndpu, density, seed):
+       density=st.floats(0, 1), seed=st.integers(0, 2**32 - 1),
+       mtu=st.sampled_from([wire.MIN_MTU, wire.DEFAULT_MTU, wire.MAX_MTU]))
+def test_hypothesis_round_trip_matches_wire(numel, psize, ndpu, density, seed, mtu):
     pmap = PartitionMap(numel, partition_size=psize, num_dpus=ndpu)
     rng = np.random.default_rng(seed)
     mask = rng.random(numel) < density
     idx = np.flatnonzero(mask).astype(np.uint32)
     val = rng.integers(-(2**31), 2**31, len(idx)).astype(np.int32)
-    b = packetize(idx, val, pmap, job_id=3, worker_id=2, round=5, scale_exp=-3)
+    val[val == 0] = 1  # a dense run's zeros are filler: keep every sent value non-zero
+    auto = packetize(idx, val, pmap, job_id=3, worker_id=2, round=5, scale_exp=-3, mtu=mtu)
+    p = parse_batch(auto)  # whatever the encodings, the non-zero entries are exactly the sent ones
+    nz = p.values != 0
+    np.testing.assert_array_equal(p.indices[nz], idx)
+    np.testing.assert_array_equal(p.values[nz], val)
+    sparse_b, dense_b = wire.encoded_bytes(*_counts_spans(idx, pmap), mtu)
+    assert auto.lengths.sum() + len(auto) * 42 == np.minimum(sparse_b, dense_b).sum()  # the cheaper one
+    b = packetize(idx, val, pmap, job_id=3, worker_id=2, round=5, scale_exp=-3, mtu=mtu, encoding="sparse")
     seen, wi, wv = _check_against_wire(b, pmap, worker_id=2)
     assert len(seen) == pmap.num_partitions
     np.testing.assert_array_equal(wi, idx)
@@ -116,6 +128,16 @@ def test_hypothesis_round_trip_matches_wire(numel, psize, ndpu, density, seed):
     for i in range(len(b)):  # per-packet offsets line up with dosa.wire's view of each packet
         _, e = wire.parse_packet(b.packet(i))
         np.testing.assert_array_equal(p.indices[p.offsets[i]:p.offsets[i + 1]], e["index"])
+
+
+def _counts_spans(idx, pmap):
+    part = idx.astype(np.int64) // pmap.partition_size
+    counts = np.bincount(part, minlength=pmap.num_partitions)
+    first = np.full(pmap.num_partitions, -1)
+    last = np.full(pmap.num_partitions, -2)
+    np.maximum.at(last, part, idx.astype(np.int64))
+    np.minimum.at(first := np.where(counts > 0, 2**40, -1), part, idx.astype(np.int64))
+    return counts, np.where(counts > 0, last - first + 1, 0)
 
 
 def test_partition_result_and_dense_helpers():
@@ -196,8 +218,9 @@ def test_parse_empty_batch():
 def test_vectorized_validation_agrees_with_wire(byte, value, length_delta, ptype):
     """Corrupt one header byte and/or the length: parse_batch rejects exactly what dosa.wire
     rejects, with the same exception class."""
-    n_entries = {PacketType.HEARTBEAT: None}.get(ptype, np.array([[1, 2], [3, 4]])
-                                                   if wire.ENTRY_LEN[ptype] == 8 else np.array([1, 2]))
+    sparse = ptype in (PacketType.SPARSE_DATA, PacketType.SPARSE_RESULT)
+    n_entries = {PacketType.HEARTBEAT: None}.get(ptype, np.array([[1, 2], [3, 4]]) if sparse
+                                                 else np.array([1, 2]))
     raw = bytearray(wire.build_packet(wire.Header(type=ptype, flags=Flags.LAST), n_entries))
     raw[byte] = value
     raw = bytes(raw[: max(0, len(raw) + length_delta)]) if length_delta < 0 else bytes(raw) + b"\0" * length_delta

@@ -53,7 +53,7 @@ def test_unpack_rejects_short_buffer():
 
 def _valid(**kw) -> tuple[Header, int]:
     h = Header(**kw)
-    return h, wire.expected_length(h.type, h.count)
+    return h, wire.payload_length(h.type, h.count)
 
 
 @pytest.mark.parametrize("ptype", list(PacketType))
@@ -66,10 +66,11 @@ def test_default_headers_of_every_type_are_valid(ptype):
 BAD = [
     ("magic", dict(magic=0x444F5342), wire.BadMagic),
     ("version 0", dict(version=0), wire.BadVersion),
-    ("version 2", dict(version=2), wire.BadVersion),
+    ("version 1", dict(version=1), wire.BadVersion),  # v1's 8-byte entries are not read
+    ("version 3", dict(version=3), wire.BadVersion),
     ("type 0", dict(type=0), wire.BadType),
     ("type 8", dict(type=8), wire.BadType),
-    ("count over max sparse", dict(count=wire.MAX_SPARSE_ENTRIES + 1), wire.CountMismatch),
+    ("count over max sparse", dict(count=wire.RX_MAX_SPARSE_ENTRIES + 1), wire.CountMismatch),
     ("unknown flag bit", dict(flags=Flags.LAST | 0x0008), wire.BadField),
     ("reserved", dict(reserved=1), wire.BadField),
     ("total 0", dict(total=0, seq=0, flags=0), wire.BadField),
@@ -80,7 +81,7 @@ BAD = [
     ("LAST on non-last", dict(seq=0, total=2, flags=Flags.LAST), wire.BadField),
     ("scale too small", dict(scale_exp=wire.SCALE_EXP_MIN - 1), wire.BadField),
     ("scale too big", dict(scale_exp=wire.SCALE_EXP_MAX + 1), wire.BadField),
-    ("base in sparse", dict(base=4), wire.BadField),
+    ("sparse base too large", dict(base=wire.MAX_SPARSE_BASE + 1), wire.BadField),
     ("worker out of range", dict(worker_id=wire.MAX_WORKERS), wire.BadField),
     ("partition out of range", dict(partition=wire.MAX_PARTITIONS), wire.BadField),
 ]
@@ -91,24 +92,49 @@ def test_validate_header_rejects_each_broken_rule(what, changes, exc):
     good = Header(flags=Flags.LAST)
     h = replace(good, **changes)
     with pytest.raises(exc):
-        validate_header(h, wire.expected_length(good.type, h.count))
+        validate_header(h, wire.payload_length(good.type, h.count))
 
 
 def test_validate_header_rejects_length_not_matching_count():
     h = Header(flags=Flags.LAST, count=3)
-    validate_header(h, HDR_LEN + 3 * wire.SPARSE_ENTRY_LEN)
-    for n in (HDR_LEN + 3 * 8 - 1, HDR_LEN + 3 * 8 + 1, HDR_LEN + 2 * 8, HDR_LEN + 4 * 8):
+    validate_header(h, HDR_LEN + 3 * 2 + 2 + 3 * 4)  # offsets, pad to 4, values
+    for n in (HDR_LEN + 3 * 6, HDR_LEN + 3 * 6 + 1, HDR_LEN + 3 * 8 + 1, HDR_LEN + 2 * 6, HDR_LEN + 4 * 6):
         with pytest.raises(wire.CountMismatch):
             validate_header(h, n)
+    validate_header(replace(h, count=4), HDR_LEN + 4 * 6)  # an even count needs no pad
 
 
-def test_validate_header_limits_follow_mtu():
+@pytest.mark.parametrize("mtu", [wire.MIN_MTU, 1500, 2000, 3000, wire.MAX_MTU])
+def test_entries_per_packet_fill_the_mtu(mtu):
+    room = wire.max_udp_payload(mtu)
     for t in PacketType:
-        n = wire.MAX_ENTRIES[t]
-        assert wire.expected_length(t, n) <= wire.MAX_UDP_PAYLOAD
+        n = wire.entries_per_packet(t, mtu)
+        assert wire.payload_length(t, n) <= room
         if wire.ENTRY_LEN[t]:
-            assert wire.expected_length(t, n + 1) > wire.MAX_UDP_PAYLOAD
-    assert wire.MAX_SPARSE_ENTRIES == 180 and wire.MAX_DENSE_ENTRIES == 360
+            assert wire.payload_length(t, n + 1) > room
+            assert n <= wire.MAX_ENTRIES[t]  # a receiver accepts every packet of every MTU
+    assert wire.stride_for_mtu(mtu) >= room and wire.stride_for_mtu(mtu) % HDR_LEN == 0
+
+
+def test_entry_counts_at_the_default_and_largest_mtu():
+    assert (wire.MAX_SPARSE_ENTRIES, wire.MAX_DENSE_ENTRIES) == (240, 360)  # v1 had 180 sparse
+    assert wire.MAX_ENTRIES[PacketType.SPARSE_DATA] == wire.RX_MAX_SPARSE_ENTRIES == 573
+    assert wire.MAX_ENTRIES[PacketType.DENSE_DATA] == 860
+    for bad in (wire.MIN_MTU - 1, wire.MAX_MTU + 1, 9000):
+        with pytest.raises(ValueError, match="MTU"):
+            wire.entries_per_packet(PacketType.SPARSE_DATA, bad)
+
+
+def test_encoded_bytes_break_even():
+    """Dense beats sparse once about 2/3 of the span carries entries (6 vs 4 bytes an entry)."""
+    span = 60000
+    counts = np.arange(0, span + 1, 100)
+    sparse, dense = wire.encoded_bytes(counts, np.full(len(counts), span))
+    first_dense = counts[np.argmax(dense < sparse)]
+    assert 0.6 * span < first_dense < 0.7 * span
+    assert (dense[counts > first_dense] < sparse[counts > first_dense]).all()
+    s0, d0 = wire.encoded_bytes(0, 0)
+    assert s0 == wire.PACKET_OVERHEAD and d0 > s0  # an empty partition is one empty sparse packet
 
 
 def test_dpu_sender_id_is_accepted_and_non_data_types_skip_seq_rules():
@@ -122,9 +148,11 @@ def test_dpu_sender_id_is_accepted_and_non_data_types_skip_seq_rules():
 
 
 def test_parse_sparse_packets_round_trip():
-    ent = np.array([[3, -5], [70000, 2**31 - 1], [2**32 - 1, -(2**31)]], np.int64)
+    base = 2**32 - 65536
+    ent = np.array([[base + 3, -5], [base + 7000, 2**31 - 1], [2**32 - 1, -(2**31)]], np.int64)
     for t in (PacketType.SPARSE_DATA, PacketType.SPARSE_RESULT):
-        buf = build_packet(Header(type=t, flags=Flags.LAST, count=99), ent)
+        buf = build_packet(Header(type=t, flags=Flags.LAST, count=99, base=base), ent)
+        assert len(buf) == HDR_LEN + 3 * 2 + 2 + 3 * 4
         h, e = parse_packet(buf)
         assert h.count == 3 and h.type == t
         assert e.dtype == wire.SPARSE_ENTRY_DTYPE
@@ -148,7 +176,11 @@ def test_build_packet_accepts_structured_entries():
     e["index"], e["value"] = [1, 2], [-1, -2]
     a = build_packet(Header(flags=Flags.LAST), e)
     b = build_packet(Header(flags=Flags.LAST), np.array([[1, -1], [2, -2]]))
-    assert a == b and len(a) == HDR_LEN + 16
+    assert a == b and len(a) == HDR_LEN + 2 * 6
+    with pytest.raises(ValueError, match="base"):
+        build_packet(Header(base=10, flags=Flags.LAST), np.array([[9, 1]]))
+    with pytest.raises(ValueError, match="base"):
+        build_packet(Header(base=10, flags=Flags.LAST), np.array([[10 + 65536, 1]]))
 
 
 def test_parse_rejects_trailing_bytes():
@@ -175,7 +207,9 @@ def test_packet_batch_from_packets_headers_select():
 
 def test_packet_batch_rejects_oversized_packet():
     with pytest.raises(wire.ProtocolError):
-        PacketBatch.from_packets([b"\0" * (wire.STRIDE + 1)])
+        PacketBatch.from_packets([b"\0" * (wire.STRIDE + 1)], stride=wire.STRIDE)
+    big = PacketBatch.from_packets([b"\0" * (wire.STRIDE + 1)])  # the slot grows to fit
+    assert big.stride % HDR_LEN == 0 and big.stride > wire.STRIDE
 
 
 def test_partition_map_bounds_and_owners():
@@ -198,7 +232,7 @@ def test_partition_map_covers_index_space_exactly(numel, size, dpus):
     try:
         pm = PartitionMap(numel=numel, partition_size=size, num_dpus=dpus)
     except ValueError:
-        assert -(-numel // size) > wire.MAX_PARTITIONS
+        assert -(-numel // size) > wire.MAX_PARTITIONS or size > wire.MAX_PARTITION_SIZE
         return
     b = np.array([pm.bounds(p) for p in (0, pm.num_partitions - 1)])
     assert b[0, 0] == 0 and b[-1, 1] == numel
@@ -208,7 +242,8 @@ def test_partition_map_covers_index_space_exactly(numel, size, dpus):
 @pytest.mark.parametrize("kw", [dict(numel=0), dict(numel=10, partition_size=0),
                                 dict(numel=10, num_dpus=0),
                                 dict(numel=wire.MAX_PARTITIONS + 1, partition_size=1),
-                                dict(numel=2**32 + 1, partition_size=2**20)])
+                                dict(numel=2**32 + 1, partition_size=2**16),
+                                dict(numel=10**6, partition_size=2**16 + 1)])
 def test_partition_map_rejects_bad_parameters(kw):
     with pytest.raises(ValueError):
         PartitionMap(**kw)

@@ -23,13 +23,13 @@ pytestmark = pytest.mark.timeout(60)
 HEADER = Path(__file__).resolve().parents[2] / "dataplane" / "dosa_wire.h"
 
 
-def _c_names() -> tuple[list[str], list[str], list[str]]:
-    """(#define names, enum dosa_type member names, struct dosa_sparse_entry field names)."""
+def _c_names() -> tuple[list[str], list[str]]:
+    """(#define names of constants, enum dosa_type member names)."""
     text = HEADER.read_text()
     defines = [m for m in re.findall(r"^#define[ \t]+(DOSA_\w+)[ \t]+\S", text, re.M)]
     enum_body = re.search(r"enum dosa_type\s*{(.*?)}", text, re.S).group(1)
     enums = re.findall(r"(DOSA_T_\w+)\s*=", enum_body)
-    return defines, enums, ["index", "value"]
+    return defines, enums
 
 
 def _python_value(cname: str) -> int:
@@ -49,7 +49,7 @@ def c_layout(tmp_path_factory):
     """Compile and run a program printing ``name value`` lines for every layout fact and constant."""
     cc = shutil.which("gcc") or shutil.which("cc")
     assert cc, "gcc is required to check dataplane/dosa_wire.h (apt-get install gcc)"
-    defines, enums, _ = _c_names()
+    defines, enums = _c_names()
     lines = ["#include <stdio.h>", "#include <stddef.h>", reasons.c_enum(), f'#include "{HEADER}"',
              "#define F(s, f) ((struct s *)0)->f",
              "#define SIGNED(s, f) ((__typeof__(F(s, f)))-1 < 0)"]
@@ -60,13 +60,11 @@ def c_layout(tmp_path_factory):
     lines.append("int main(void) {")
     lines.append('printf("sizeof.dosa_hdr %zu\\n", sizeof(struct dosa_hdr));')
     lines.append('printf("alignof.dosa_hdr %zu\\n", _Alignof(struct dosa_hdr));')
-    lines.append('printf("sizeof.dosa_sparse_entry %zu\\n", sizeof(struct dosa_sparse_entry));')
     for name, _, _ in wire.HEADER_FIELDS:
         lines.append(f'printf("hdr.{name} %zu %zu %d\\n", offsetof(struct dosa_hdr, {name}), '
                      f"sizeof(F(dosa_hdr, {name})), (int)SIGNED(dosa_hdr, {name}));")
-    for name in ("index", "value"):
-        lines.append(f'printf("entry.{name} %zu %zu\\n", offsetof(struct dosa_sparse_entry, {name}), '
-                     f"sizeof(F(dosa_sparse_entry, {name})));")
+    for n in range(0, wire.RX_MAX_SPARSE_ENTRIES + 1):
+        lines.append(f'printf("value_offset.{n} %d\\n", (int)DOSA_VALUE_OFFSET({n}));')
     for c in defines + enums:
         lines.append(f'printf("const.{c} %lld\\n", (long long)({c}));')
     lines.append("return 0; }")
@@ -93,12 +91,10 @@ def test_header_field_offset_size_sign_match(c_layout, name):
     assert bool(signed) == (py_dtype.kind == "i"), f"dosa_hdr.{name} signedness drifted"
 
 
-def test_sparse_entry_struct_matches(c_layout):
-    assert int(c_layout["sizeof.dosa_sparse_entry"][0]) == wire.SPARSE_ENTRY_LEN
-    for name in ("index", "value"):
-        off, size = map(int, c_layout[f"entry.{name}"])
-        dt, py_off = wire.SPARSE_ENTRY_DTYPE.fields[name]
-        assert (off, size) == (py_off, dt.itemsize)
+def test_sparse_value_block_offset_matches(c_layout):
+    """Where XDP reads a sparse packet's s32 values is where wire.value_offset puts them."""
+    for n in range(0, wire.RX_MAX_SPARSE_ENTRIES + 1):
+        assert int(c_layout[f"value_offset.{n}"][0]) == wire.value_offset(n)
 
 
 def test_every_c_constant_equals_python(c_layout):
@@ -109,12 +105,12 @@ def test_every_c_constant_equals_python(c_layout):
 
 
 def test_every_python_type_and_flag_is_in_c():
-    defines, enums, _ = _c_names()
+    defines, enums = _c_names()
     assert {f"DOSA_T_{t.name}" for t in wire.PacketType} == set(enums)
     assert {f"DOSA_F_{f.name}" for f in wire.Flags if f} <= set(defines)
-    for needed in ("MAGIC", "VERSION", "HDR_LEN", "MAX_SPARSE_ENTRIES", "MAX_DENSE_ENTRIES",
-                   "MAX_PACKETS_PER_CONTRIBUTION", "MAX_WORKERS", "MAX_PARTITIONS", "DPU_SENDER_ID",
-                   "SCALE_EXP_MIN", "SCALE_EXP_MAX"):
+    for needed in ("MAGIC", "VERSION", "HDR_LEN", "RX_MAX_SPARSE_ENTRIES", "RX_MAX_DENSE_ENTRIES",
+                   "MAX_MTU", "MAX_PACKETS_PER_CONTRIBUTION", "MAX_WORKERS", "MAX_PARTITIONS",
+                   "DPU_SENDER_ID", "SCALE_EXP_MIN", "SCALE_EXP_MAX", "MAX_SPARSE_BASE"):
         assert f"DOSA_{needed}" in defines
 
 
@@ -148,7 +144,7 @@ def _random_headers(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     h["count"] = rng.integers(0, 4, n)
     h["worker_id"] = rng.integers(0, wire.MAX_WORKERS, n)
     h["scale_exp"] = rng.integers(wire.SCALE_EXP_MIN, wire.SCALE_EXP_MAX + 1, n)
-    length = np.array([wire.expected_length(int(t), int(c)) for t, c in zip(h["type"], h["count"])])
+    length = np.array([wire.payload_length(int(t), int(c)) for t, c in zip(h["type"], h["count"])])
     for name, dt, _ in wire.HEADER_FIELDS:  # break fields at random: full range of the type
         hit = rng.random(n) < 0.06
         info = np.iinfo(np.dtype(dt))
