@@ -78,16 +78,17 @@ def netns_pids(name: str) -> list[int]:
     return [int(x) for x in p.stdout.split() if x.isdigit()]
 
 
-def netns_cmd(ns: str, argv: list[str], cpus: list[int] | None = None) -> list[str]:
-    """The argv that runs ``argv`` inside network namespace ``ns``, optionally pinned to ``cpus``
-    (taskset wraps it; the affinity is inherited across exec).
+def netns_cmd(ns: str | None, argv: list[str], cpus: list[int] | None = None) -> list[str]:
+    """The argv that runs ``argv`` inside network namespace ``ns`` (None: this process's own),
+    optionally pinned to ``cpus`` (taskset wraps it; the affinity is inherited across exec).
 
     ``nsenter --net`` and not ``ip netns exec``: the latter also unshares the mount namespace and
     remounts /sys, which hides the bpffs at /sys/fs/bpf -- the control plane would pin the
     dataplane's maps where the DPU worker (another process) cannot see them. nsenter switches only
     the network namespace; every process shares the one bpffs."""
     pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
-    return [*pin, "nsenter", f"--net=/run/netns/{ns}", "--", *argv]
+    enter = ["nsenter", f"--net=/run/netns/{ns}", "--"] if ns is not None else []
+    return [*pin, *enter, *argv]
 
 
 def proc_start_time(pid: int) -> int | None:

@@ -15,7 +15,9 @@ import pytest
 import torch  # noqa: F401  (a required dependency: missing = an error, not a skip)
 import sklearn  # noqa: F401
 
-from dosa.demo import DemoConfig, LoopbackCluster, run_demo, run_local_ranks, free_port  # noqa: E402
+from dosa.demo import DemoConfig, LoopbackCluster, run_demo, free_port  # noqa: E402
+from dosa.demo.clusters import rank_base_env  # noqa: E402
+from testbed.runner import run_ranks  # noqa: E402
 from dosa.errors import DosaError  # noqa: E402
 
 
@@ -72,21 +74,20 @@ def test_fallback_is_agreed_across_ranks_warns_once_and_still_trains(tmp_path):
     fall back together, each warning exactly once, and the model still trains."""
     with LoopbackCluster(hosts=2, dpus=1, numel=DemoConfig().numel, workdir=tmp_path,
                          echo=None) as cluster:
-        port = free_port(socket.SOCK_STREAM)
-        envs = [cluster.rank_env(r, port) for r in range(2)]
-        del envs[1]["DOSA_JOB_CONFIG"]
+        specs = cluster.rank_specs(free_port(socket.SOCK_STREAM))
+        del specs[1].env["DOSA_JOB_CONFIG"]
         out = tmp_path / "r{rank}.json"
-        run_local_ranks([sys.executable, "-m", "examples.train_digits", "--comm", "dosa",
-                         "--epochs", "2", "--quiet", "--json", str(out)], envs, tmp_path,
-                        timeout=100, echo=None, env={"DOSA_CONTROL_ADDR": "", "DOSA_CONTROL_PORT": ""})
+        run_ranks(specs, [sys.executable, "-m", "examples.train_digits", "--comm", "dosa",
+                          "--epochs", "2", "--quiet", "--json", str(out)], tmp_path, timeout=100, echo=False,
+                  base_env=rank_base_env({"DOSA_CONTROL_ADDR": "", "DOSA_CONTROL_PORT": ""})).check()
     for r in range(2):
-        log = (tmp_path / f"rank{r}.log").read_text()
+        log = (tmp_path / f"rank{r}.err").read_text()
         assert log.count("DosaUnavailableWarning") == 1, log
         run = json.loads(Path(str(out).replace("{rank}", str(r))).read_text())["runs"][0]
         assert run["hook"]["fallbacks"] == 1 and run["hook"]["dosa_rounds"] == 0
         assert run["hook"]["dense_steps"] == run["steps"]
         assert run["test_accuracy"] > 0.8 and run["replicas_consistent"]
-    assert "unavailable on 1 other rank" in (tmp_path / "rank0.log").read_text()
+    assert "unavailable on 1 other rank" in (tmp_path / "rank0.out").read_text() + (tmp_path / "rank0.err").read_text()
 
 
 @pytest.mark.timeout(120)
@@ -102,7 +103,7 @@ def test_a_failing_rank_fails_the_demo_clearly_and_stops_everything(tmp_path):
 
     LoopbackCluster.__exit__ = spy_exit
     try:
-        with pytest.raises(DosaError, match=r"rank \d failed with status 2"):
+        with pytest.raises(DosaError, match=r"rank \d failed \(exit status 2\)"):
             run_demo(cfg, echo=lambda line: None)
     finally:
         LoopbackCluster.__exit__ = orig_exit
