@@ -29,7 +29,7 @@ from dataplane import libbpf, loader, reasons
 from dataplane.maps import MODES, DataplaneMaps, JobInfo
 from dosa import wire
 from dosa.errors import DosaError
-from dosa.job import DEFAULT_SLOTS, MAX_SLOTS
+from dosa.job import DEFAULT_SCALE_EXP, DEFAULT_SLOTS, MAX_SLOTS
 
 from .alloc import AdmissionError, SlotDemand, admit
 from .netns import run_in_netns
@@ -180,7 +180,7 @@ class Controller:
         return sorted(self.maps.jobs(), key=lambda j: j.job_id)
 
     def add_job(self, job_id: int, workers: int, numel: int, partition_size: int = wire.DEFAULT_PARTITION_SIZE,
-                num_dpus: int = 1, dpu_index: int = 0, scale_exp: int = 16, mode: str = "sum",
+                num_dpus: int = 1, dpu_index: int = 0, scale_exp: int = DEFAULT_SCALE_EXP, mode: str = "sum",
                 port: int = wire.DEFAULT_PORT, slots: int = DEFAULT_SLOTS) -> JobInfo:
         """Install a job: allocate its regions, clear them, write the job entry (last, so XDP never
         sees a job whose memory is not ready). ``slots``: its aggregation slots here (at most the
