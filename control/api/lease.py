@@ -40,6 +40,7 @@ def next_generation() -> int:
 class Lease:
     session: str | None  # None: adopted by the first session that beats (after a server restart)
     last_seen: float
+    waiting: int = 0  # joins of this member blocked in the rendezvous: alive while they wait
 
 
 class Leases:
@@ -71,6 +72,14 @@ class Leases:
             lease.last_seen = self.clock()
             return None
 
+    def waiting(self, job_id: int, wid: int, on: bool) -> None:
+        """A member's join waits for the others (it cannot beat yet): count it alive meanwhile."""
+        with self._lock:
+            lease = self._jobs.get(job_id, {}).get(wid)
+            if lease is not None:
+                lease.waiting = max(0, lease.waiting + (1 if on else -1))
+                lease.last_seen = self.clock()
+
     def drop(self, job_id: int, wid: int | None = None) -> None:
         with self._lock:
             if wid is None:
@@ -87,7 +96,8 @@ class Leases:
         """Seconds since each leased member's last heartbeat."""
         now = self.clock()
         with self._lock:
-            return {w: now - l.last_seen for w, l in self._jobs.get(job_id, {}).items()}
+            return {w: 0.0 if l.waiting else now - l.last_seen
+                    for w, l in self._jobs.get(job_id, {}).items()}
 
     def dead(self, job_id: int) -> dict[int, float]:
         return {w: a for w, a in self.ages(job_id).items() if a > self.dead_after}

@@ -164,7 +164,13 @@ class ControlService:
                 self._save()
                 self._cv.notify_all()
         with self._cv:
-            wait_complete(self._cv, job, wait)
+            if session is not None:
+                self.leases.waiting(job_id, wid, True)
+            try:
+                wait_complete(self._cv, job, wait)
+            finally:
+                if session is not None:
+                    self.leases.waiting(job_id, wid, False)
             if self.jobs.get(job_id) is not job:
                 raise ApiError(409, f"job {job_id} was released while this worker waited for the "
                                     f"others ({self.gone.get(job_id, 'removed')})")

@@ -210,3 +210,22 @@ def test_a_released_job_under_a_running_client_is_named_as_the_cause(plane):
     assert "job 47 does not exist any more: it was released (removed by an admin)" in str(errs[0])
     for c in cs:
         c.close()
+
+
+def test_a_joiner_waiting_for_the_others_is_alive_past_dead_after(plane):
+    """Ranks start seconds apart (importing torch): the first one, blocked in the rendezvous, must
+    not look dead to a later joiner, or its job would be taken over under it."""
+    ctl, dport, svc = plane(dead_after=0.3)
+    got = {}
+
+    def first():
+        got[0] = request(ctl, "POST", "/v1/join", dict(shape(48, dport), worker_id=0, port=20000,
+                                                       session="r0", wait=10))
+
+    t = threading.Thread(target=first)
+    t.start()
+    time.sleep(1.0)  # three times dead_after
+    second = request(ctl, "POST", "/v1/join", dict(shape(48, dport), worker_id=1, port=20001,
+                                                   session="r1", wait=10))
+    t.join(10)
+    assert second["complete"] and got[0]["generation"] == second["generation"]
