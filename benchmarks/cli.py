@@ -16,6 +16,7 @@ def register_bench(bench_sub) -> None:
     _register_dataplane(bench_sub)
     _register_allreduce(bench_sub)
     _register_offload(bench_sub)
+    _register_bigjob(bench_sub)
 
 
 # --- dosa bench host ---------------------------------------------------------------------------
@@ -120,6 +121,18 @@ def _bench_allreduce(args) -> int:
     from benchmarks.allreduce import runner
 
     return runner.cli_run(args, extra_methods=runner.dpu_fw_methods(args))
+
+
+# --- dosa bench bigjob -------------------------------------------------------------------------
+
+def _register_bigjob(bench_sub) -> None:
+    from benchmarks import bigjob  # light: numpy only until it runs
+
+    p = bench_sub.add_parser(
+        "bigjob", help="a 110M-entry job on the testbed's default DPU memory, every round exact (root)",
+        description=bigjob.__doc__.split("\n\n")[0])
+    bigjob.add_arguments(p)
+    p.set_defaults(func=bigjob.run_cli)
 
 
 # --- dosa bench offload ------------------------------------------------------------------------
