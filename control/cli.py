@@ -110,6 +110,8 @@ def register(sub) -> None:
                                       "and serve the join API until SIGTERM")
     _common(v)
     v.add_argument("--iface", "--dev", dest="iface", help="interface to attach XDP to (xdp mode)")
+    v.add_argument("--worker-stats", metavar="FILE",
+                   help="the DPU worker's stats file (dpu run --stats-file): GET /metrics serves it too")
     v.add_argument("--netns")
     v.add_argument("--addr", required=True, help="this DPU's IPv4 address (as jobs list their DPUs)")
     v.add_argument("--listen", type=_hostport, help="ADDR:PORT of the API (default: --addr:17800)")
@@ -259,6 +261,7 @@ def cmd_serve(args) -> int:
         state = f"/run/dosa/{tag}-api.json"  # the registry survives a restart of this server
         service = ControlService(ctl, address=args.addr, data_port=args.port, control_port=listen[1],
                                  state_path=state)
+        service.worker_stats = args.worker_stats  # GET /metrics serves the DPU worker's counters too
         server = ControlServer(service, listen[0], listen[1])
 
         def stop(signum, frame):

@@ -37,6 +37,8 @@ def register(sub) -> None:
     r.add_argument("--gtopk-density", type=float, default=0.01,
                    help="density of gtopk jobs discovered from the dataplane maps (default 0.01)")
     r.add_argument("--pid-file", help="written with the worker's pid once it is ready")
+    r.add_argument("--stats-file", help="keep this JSON file of the worker's counters (per job) current, "
+                                        "for the control process's /metrics (ctl serve --worker-stats)")
     r.add_argument("--duration", type=float, help="stop after this many seconds")
     r.add_argument("-v", "--verbose", action="store_true")
     r.set_defaults(func=cmd_run)
@@ -108,6 +110,7 @@ def cmd_run(args) -> int:
     worker = DpuWorker(jobs, idx, mode=args.mode, bind=bind, state_dir=args.state_dir,
                        instance=instance, discover=discover)
     install_signal_handlers(worker)
+    worker.stats_file = args.stats_file
     if args.pid_file:
         with open(args.pid_file, "w") as f:
             f.write(f"{os.getpid()}\n")
@@ -121,11 +124,12 @@ def cmd_run(args) -> int:
             worker.run(args.duration)
     finally:
         worker.close()
-        if args.pid_file:
-            try:
-                os.unlink(args.pid_file)
-            except OSError:
-                pass
+        for path in (args.pid_file, args.stats_file):  # a stopped worker has no counters to serve
+            if path:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
         if args.verbose:
             print({k: v for k, v in worker.stats.items() if v})
     return 0

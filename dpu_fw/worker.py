@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import signal
 import threading
 import time
@@ -47,6 +48,8 @@ NACK_GUARD = 0.002
 #: Completed partitions whose results are built and sent per sendmmsg batch: results then flow to the
 #: hosts while the rest are built (a host seeing no progress for its retransmission interval asks again).
 EMIT_CHUNK = 32
+#: Seconds between two writes of the stats file (dpu run --stats-file), for /metrics.
+STATS_EVERY = 0.5
 
 
 class JobRuntime:
@@ -77,6 +80,9 @@ class JobRuntime:
         self._answered: dict[tuple[int, int, int], float] = {}
         self._emitted: dict[tuple[int, int], float] = {}
         self._nacked: dict[tuple[int, int, int], float] = {}
+        #: this job's counters on this DPU (completions, result packets/entries, answers to
+        #: retransmission requests by outcome, userspace merge verdicts): /metrics serves them
+        self.stats = collections.Counter()
 
     def _sums(self, lp: int, rnd: int):
         """(indices, sums to send, all non-zero indices) of (lp, rnd) from its buffer."""
@@ -111,6 +117,7 @@ class JobRuntime:
         the results of all of them with one vectorized packetization per (round, scale) and send
         every packet to every host with one sendmmsg."""
         groups: dict[tuple[int, int], list[int]] = {}
+        self.stats["completions"] += len(comps)
         for lp, rnd in comps:
             self._settle(lp, rnd)
             groups.setdefault((rnd, self.backend.scale_exp(lp, rnd)), []).append(lp)
@@ -127,7 +134,10 @@ class JobRuntime:
         idx = np.concatenate([g[0] for g in got])
         sums = np.concatenate([g[1] for g in got])
         batch = packetize_results(idx, sums, self.pmap, job_id=self.job.job_id, round=rnd,
-                                  scale_exp=scale, flags=self._flags(), partitions=parts)
+                                  scale_exp=scale, flags=self._flags(), partitions=parts,
+                                  mtu=self.job.mtu)
+        self.stats["result_packets"] += len(batch)
+        self.stats["result_entries"] += len(idx)
         hp = batch.headers()["partition"].astype(np.int64)
         starts = np.searchsorted(hp, parts, "left")
         ends = np.searchsorted(hp, parts, "right")
@@ -262,6 +272,8 @@ class DpuWorker:
         self.dpu_index = dpu_index
         self.state_dir = state_dir
         self.stats = collections.Counter()
+        self.stats_file: str | None = None  # publish_stats() writes here (dpu run --stats-file)
+        self._retired: dict[int, collections.Counter] = {}  # counters of jobs no longer served
         self._stop = threading.Event()
         self.maps = None
         self.discover = discover
@@ -344,6 +356,8 @@ class DpuWorker:
         rt = self.jobs.pop(job_id, None)
         if rt is None:
             return
+        # counters only grow: a released job's stay (a later job of the same id adds to them)
+        self._retired.setdefault(job_id, collections.Counter()).update(rt.stats)
         rt.backend.flush()
         if self.mode == "userspace" and self.state_dir is not None:
             import shutil
@@ -358,8 +372,14 @@ class DpuWorker:
     def run(self, duration: float | None = None) -> None:
         """Serve until stop() (or SIGTERM/SIGINT when run from the CLI) or ``duration`` seconds."""
         end = None if duration is None else time.monotonic() + duration
+        next_publish = 0.0
         while not self._stop.is_set() and (end is None or time.monotonic() < end):
             self.step(0.05)
+            if self.stats_file and time.monotonic() >= next_publish:
+                self.publish_stats()
+                next_publish = time.monotonic() + STATS_EVERY
+        if self.stats_file:
+            self.publish_stats()
         for rt in self.jobs.values():
             rt.backend.flush()
 
@@ -442,6 +462,7 @@ class DpuWorker:
                     h["scale_exp"][d], parsed.indices, parsed.values, parsed.offsets[sel[d]])
                 for v, n in zip(*np.unique(verdict, return_counts=True)):
                     self.stats[VERDICTS[int(v)]] += int(n)
+                    rt.stats[VERDICTS[int(v)]] += int(n)
                 if comps:
                     rt.complete_many(comps, self.ep)
                     self.stats["completions"] += len(comps)
@@ -453,15 +474,43 @@ class DpuWorker:
             if len(dup):
                 key = np.unique(np.stack([lp[dup], rnd[dup], w[dup]], 1), axis=0)
                 for klp, kr, kw in key.tolist():
-                    self.stats[rt.answer(klp, kr, kw, self.ep)] += 1
+                    outcome = rt.answer(klp, kr, kw, self.ep)
+                    self.stats[outcome] += 1
+                    rt.stats[outcome] += 1
         statuses: list = []
         for i in np.flatnonzero(retx).tolist():
             j = sel[i]
             seqs = parsed.indices[parsed.offsets[j]:parsed.offsets[j + 1]]
             self.stats["retx_request"] += 1
-            self.stats[rt.answer(int(lp[i]), int(rnd[i]), int(w[i]), self.ep, seqs, statuses)] += 1
+            outcome = rt.answer(int(lp[i]), int(rnd[i]), int(w[i]), self.ep, seqs, statuses)
+            self.stats[outcome] += 1
+            rt.stats["retx_request"] += 1
+            rt.stats[outcome] += 1
         if statuses:
             rt.send_statuses(statuses, self.ep)
+
+    def job_stats(self) -> dict[int, dict[str, int]]:
+        """Per job id: its counters on this DPU (also of jobs released since; they only grow)."""
+        out = {j: collections.Counter(c) for j, c in self._retired.items()}
+        for j, rt in self.jobs.items():
+            out.setdefault(j, collections.Counter()).update(rt.stats)
+        return {j: dict(c) for j, c in out.items()}
+
+    def publish_stats(self) -> None:
+        """Write this worker's counters as JSON to ``stats_file`` (atomic rename), for the control
+        process's /metrics (control/metrics.py reads it; docs/control.md *Metrics*)."""
+        import json
+
+        doc = {"pid": os.getpid(), "time": time.time(), "dpu_index": self.dpu_index,
+               "mode": self.mode, "stats": dict(self.stats),
+               "jobs": {str(j): c for j, c in self.job_stats().items()}}
+        tmp = f"{self.stats_file}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, self.stats_file)
+        except OSError as e:
+            log.warning("cannot write stats to %s: %s", self.stats_file, e)
 
     def close(self) -> None:
         self.ep.close()

@@ -51,13 +51,14 @@ class DpuContext:
 def dpu_services(ctx: DpuContext) -> list[ServiceSpec]:
     """The control plane and the DPU worker of one DPU, in start order."""
     dosa = [*ctx.python, "-m", "dosa"]
+    stats = f"{ctx.run_dir}/dpu{ctx.index}-worker-stats.json"  # the worker's counters, for ctl's /metrics
     # --instance is the absolute pin directory: the dataplane pins its program and maps there, so
     # each DPU (and each testbed prefix) has its own and `down` removes them with the prefix dir
     ctl = ServiceSpec(
         name="ctl",
         argv=[*dosa, "ctl", "serve", "--pin-dir", ctx.pin_dir, "--iface", ctx.iface,
               "--addr", ctx.address, "--listen", f"{ctx.address}:{ctx.control_port}",
-              "--port", str(ctx.data_port), "--mode", ctx.mode],
+              "--port", str(ctx.data_port), "--mode", ctx.mode, "--worker-stats", stats],
         ready=("tcp", ctx.control_port))
     ready = f"{ctx.run_dir}/dpu{ctx.index}-worker.ready"  # dpu run writes it once it is ready
     worker = ServiceSpec(
@@ -65,6 +66,6 @@ def dpu_services(ctx: DpuContext) -> list[ServiceSpec]:
         argv=[*dosa, "dpu", "run", "--instance", ctx.pin_dir, "--iface", ctx.iface,
               "--addr", ctx.address, "--port", str(ctx.data_port), "--mode", ctx.mode,
               "--dpu-index", str(ctx.index), "--control", f"{ctx.address}:{ctx.control_port}",
-              "--pid-file", ready],
+              "--pid-file", ready, "--stats-file", stats],
         ready=("file", ready))
     return [ctl, worker]

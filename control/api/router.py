@@ -83,8 +83,21 @@ class _Handler(BaseHTTPRequestHandler):
             raise bad("request body must be a JSON object")
         return body
 
+    def _metrics(self) -> None:
+        """GET /metrics: the Prometheus text format (control/metrics.py), not JSON."""
+        from control import metrics
+
+        data, ctype = metrics.render(self.service, getattr(self.service, "worker_stats", None))
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def _handle(self, method: str):
         try:
+            if method == "GET" and self.path.split("?")[0] == "/metrics":
+                return self._metrics()
             call, args = route(method, self.path)
             self._reply(200, call(self.service, self, *args))
         except ApiError as e:

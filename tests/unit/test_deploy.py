@@ -32,10 +32,10 @@ def expected_plan() -> list[str]:
             "for i in $(seq 100); do kill -0 $p 2>/dev/null || break; sleep 0.1; done; kill -9 $p 2>/dev/null; "
             f"rm -f /run/dosa/{s}.pid; fi; true'" for s in ("dpu", "ctl")]
     ctl = (f"{PY} ctl serve --pin-dir /sys/fs/bpf/dosa/dpu0 --iface p0 --addr 10.10.0.200 "
-           "--listen 10.10.0.200:17800 --port 17791 --mode xdp")
+           "--listen 10.10.0.200:17800 --port 17791 --mode xdp --worker-stats /run/dosa/dpu0-worker-stats.json")
     worker = (f"{PY} dpu run --instance /sys/fs/bpf/dosa/dpu0 --iface p0 --addr 10.10.0.200 "
               "--port 17791 --mode xdp --dpu-index 0 --control 10.10.0.200:17800 "
-              "--pid-file /run/dosa/dpu0-worker.ready")
+              "--pid-file /run/dosa/dpu0-worker.ready --stats-file /run/dosa/dpu0-worker-stats.json")
     ready = "/run/dosa/dpu0-worker.ready"
     start = [
         (f"mkdir -p /run/dosa /var/log/dosa && cd /opt/dosa && {{ setsid nohup {ctl} > "
