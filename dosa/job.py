@@ -51,6 +51,7 @@ class JobConfig:
     scale_exp: int = DEFAULT_SCALE_EXP
     port: int = wire.DEFAULT_PORT  # the job's UDP port on the DPUs (the default of dpus' ports)
     slots: int = DEFAULT_SLOTS  # aggregation slots per DPU (at most the partitions it owns)
+    mtu: int = wire.DEFAULT_MTU  # of the job's links: packet sizes follow it (wire.entries_per_packet)
 
     def __post_init__(self):
         self.hosts = [None if h is None else (str(h[0]), int(h[1])) for h in self.hosts]
@@ -67,6 +68,10 @@ class JobConfig:
             raise DosaError(f"density must lie in (0, 1], got {self.density}")
         if not wire.SCALE_EXP_MIN <= self.scale_exp <= wire.SCALE_EXP_MAX:
             raise DosaError(f"scale_exp {self.scale_exp} outside {wire.SCALE_EXP_MIN}..{wire.SCALE_EXP_MAX}")
+        try:
+            wire.check_mtu(self.mtu)
+        except ValueError as e:
+            raise DosaError(str(e)) from None
         if not isinstance(self.slots, int) or not 1 <= self.slots <= MAX_SLOTS:
             raise DosaError(f"slots must be an integer in 1..{MAX_SLOTS}, got {self.slots!r}")
         try:
@@ -114,7 +119,7 @@ class JobConfig:
         """The JSON the join API answers with (``POST /v1/join``, ``GET /v1/jobs``...)."""
         d = {"job_id": self.job_id, "workers": self.workers, "numel": self.numel,
              "partition_size": self.partition_size, "num_partitions": self.pmap.num_partitions,
-             "slots": self.slots,
+             "slots": self.slots, "mtu": self.mtu,
              "scale_exp": self.scale_exp, "mode": self.mode, "density": self.density, "port": self.port,
              "dpus": [{"index": i, "address": a, "port": p} for i, (a, p) in enumerate(self.dpus)],
              "hosts": [{"worker_id": w, "address": a, "port": p} for w, (a, p) in self.joined.items()],
@@ -143,7 +148,7 @@ class JobConfig:
                        partition_size=v["partition_size"], mode=v.get("mode", "sum"),
                        density=v.get("density", DEFAULT_DENSITY),
                        scale_exp=v.get("scale_exp", DEFAULT_SCALE_EXP), port=v.get("port", wire.DEFAULT_PORT),
-                       slots=v.get("slots", DEFAULT_SLOTS))
+                       slots=v.get("slots", DEFAULT_SLOTS), mtu=v.get("mtu", wire.DEFAULT_MTU))
         except (KeyError, TypeError, ValueError) as e:
             raise DosaError(f"the control plane's job description lacks {e}") from None
 

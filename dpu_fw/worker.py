@@ -108,7 +108,7 @@ class JobRuntime:
         idx, sums, nz = self._sums(lp, rnd)
         batch = packetize_partition_result(
             idx, sums, job_id=self.job.job_id, partition=int(self.owned[lp]), round=rnd,
-            scale_exp=self.backend.scale_exp(lp, rnd), flags=self._flags())
+            scale_exp=self.backend.scale_exp(lp, rnd), flags=self._flags(), mtu=self.job.mtu)
         self.shadow[(lp, rnd)] = (batch, nz)
         return batch
 

@@ -217,7 +217,8 @@ class AggregationClient:
         t0 = time.thread_time()
         try:
             batch = packetize(indices, values, self.pmap, job_id=self.job.job_id,
-                              worker_id=self.worker_id, round=self.round, scale_exp=int(scale_exp))
+                              worker_id=self.worker_id, round=self.round, scale_exp=int(scale_exp),
+                              mtu=self.job.mtu)
         except ValueError as e:
             raise DosaError(f"cannot packetize round {self.round}: {e}") from None
         self._phase("packetize", t0)

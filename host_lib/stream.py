@@ -58,7 +58,7 @@ class SparseStream(_Round):
         try:
             b = packetize(indices, values, self.c.pmap, job_id=self.c.job.job_id,
                           worker_id=self.c.worker_id, round=self.c.round, scale_exp=self.scale_exp,
-                          partitions=np.arange(self.released, upto))
+                          partitions=np.arange(self.released, upto), mtu=self.c.job.mtu)
         except ValueError as e:
             raise DosaError(f"cannot packetize round {self.c.round}: {e}") from None
         with self._lock:

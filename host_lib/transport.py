@@ -22,6 +22,7 @@ import numpy as np
 
 from dosa.env import switch_on
 from dosa.errors import DosaError
+from dosa import wire
 from dosa.wire import PacketBatch
 
 from . import _net
@@ -83,7 +84,7 @@ class UdpEndpoint:
             raise DosaError(f"cannot bind UDP {bind[0]}:{bind[1]}: {e.strerror or e}") from None
         self.sock.setblocking(False)
         self.fd = self.sock.fileno()
-        self._rx = PacketBatch.empty(recv_slots)
+        self._rx = PacketBatch.empty(recv_slots, wire.stride_for_mtu(wire.MAX_MTU))  # any job's MTU
         self._src_ip = np.zeros(recv_slots, np.uint32)
         self._src_port = np.zeros(recv_slots, np.uint16)
         self.sent_packets = self.sent_bytes = self.recv_packets = self.recv_bytes = 0

@@ -63,6 +63,7 @@ def parse_job(req: dict, default_address: str, default_port: int, port_field: st
     numel = req_int(req, "numel", 1, 2**32 - 1)
     psize = req_int(req, "partition_size", 1, 2**32 - 1, wire.DEFAULT_PARTITION_SIZE)
     slots = req_int(req, "slots", 1, MAX_SLOTS, DEFAULT_SLOTS)
+    mtu = req_int(req, "mtu", wire.MIN_MTU, wire.MAX_MTU, wire.DEFAULT_MTU)
     scale = req_int(req, "scale_exp", wire.SCALE_EXP_MIN, wire.SCALE_EXP_MAX, DEFAULT_SCALE_EXP)
     port = req_int(req, port_field, 1, 65535, default_port)  # the job's UDP port on the DPUs
     mode = req.get("mode", "sum")
@@ -85,12 +86,12 @@ def parse_job(req: dict, default_address: str, default_port: int, port_field: st
     except ValueError as e:
         raise bad(str(e)) from None
     return JobConfig(job_id=job_id, numel=numel, hosts=[None] * workers, dpus=dpus, partition_size=psize,
-                     mode=mode, density=float(density), scale_exp=scale, port=port, slots=slots)
+                     mode=mode, density=float(density), scale_exp=scale, port=port, slots=slots, mtu=mtu)
 
 
 def check_same_shape(job: JobConfig, req: dict) -> None:
     """A later joiner must agree with the job's shape (409 otherwise)."""
-    for name in ("workers", "numel", "partition_size", "slots"):
+    for name in ("workers", "numel", "partition_size", "slots", "mtu"):
         if name in req and req[name] != getattr(job, name):
             raise ApiError(409, f"job {job.job_id} has {name} {getattr(job, name)}, "
                                 f"the request says {req[name]}")

@@ -28,11 +28,11 @@ def free_ports(n):
 def cluster():
     made = []
 
-    def make(workers=4, dpus=2, mode="sum", numel=100_000, timeout=5.0):
+    def make(workers=4, dpus=2, mode="sum", numel=100_000, timeout=5.0, mtu=1500):
         ports = free_ports(workers + dpus)
         job = JobConfig(job_id=3, numel=numel, hosts=[("127.0.0.1", p) for p in ports[:workers]],
                         dpus=[("127.0.0.1", p) for p in ports[workers:]], partition_size=8192,
-                        mode=mode, density=0.01, scale_exp=8)
+                        mode=mode, density=0.01, scale_exp=8, mtu=mtu)
         ws = [DpuWorker([job], d, mode="userspace") for d in range(dpus)]
         ts = [threading.Thread(target=w.run, daemon=True) for w in ws]
         for t in ts:
@@ -100,6 +100,27 @@ def test_sparse_allreduce_over_loopback_is_exact(cluster, mode):
                     sl = slice(p * job.partition_size, (p + 1) * job.partition_size)
                     a, k = np.abs(total[sl]), kept[sl]
                     assert a[k].min() >= a[~k].max()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mtu", [576, 3500])
+def test_mtu_and_dense_runs_round_trip_exactly(cluster, mtu):
+    """The job's MTU sizes every packet both ways; a partition denser than the break-even travels
+    as a dense run (data and result) and the sums stay exact."""
+    job, cs = cluster(mtu=mtu)
+    rng = np.random.default_rng(mtu)
+    ins = []
+    for w in range(4):
+        idx = np.unique(np.r_[rng.choice(job.numel, 800, replace=False), np.arange(40960, 40960 + 7000)])
+        ins.append((idx.astype(np.uint32), rng.integers(-10**6, 10**6, len(idx)).astype(np.int32)))
+    total = np.zeros(job.numel, np.int64)
+    for idx, q in ins:
+        np.add.at(total, idx.astype(np.int64), q)
+    out, errs = run_all(cs, lambda i, c: c.allreduce_sparse(*ins[i], 8))
+    assert errs == [None] * 4
+    for ridx, sums in out:
+        assert np.array_equal(ridx.astype(np.int64), np.flatnonzero(total))
+        assert np.array_equal(sums.astype(np.int64), total[ridx.astype(np.int64)])
 
 
 @pytest.mark.timeout(60)
