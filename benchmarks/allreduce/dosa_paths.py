@@ -294,6 +294,7 @@ def host_main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--retx-interval", type=float, default=0.25)
     ap.add_argument("--window", type=int, default=int(os.environ.get("DOSA_BENCH_WINDOW", "256")))
+    ap.add_argument("--mtu", type=int, default=None, help="the job's MTU (the testbed links')")
     a = ap.parse_args(argv)
     from host_lib.client import AggregationClient
 
@@ -309,6 +310,7 @@ def host_main(argv=None) -> int:
         with AggregationClient.from_env(a.numel, timeout=a.timeout, retx_interval=a.retx_interval,
                                         window=a.window,
                                         join={"mode": a.mode, "density": a.density,
+                                              **({"mtu": a.mtu} if a.mtu else {}),
                                               "scale_exp": int(scale), "wait": 120}) as c:
             rec["multicast"] = c.multicast_group is not None
             prof = None
@@ -444,6 +446,8 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
                 str(args.warmup), "--mode", args.mode, "--out", str(res_dir)]
         if workdir is not None:
             argv += ["--inputs", str(workdir)]
+        if tb_mtu:
+            argv += ["--mtu", str(tb_mtu)]
         for opt in ("retx_interval", "window"):
             if getattr(args, opt, None) is not None:
                 argv += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
