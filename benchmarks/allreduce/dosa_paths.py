@@ -446,8 +446,9 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
                 str(args.warmup), "--mode", args.mode, "--out", str(res_dir)]
         if workdir is not None:
             argv += ["--inputs", str(workdir)]
-        if tb_mtu:
-            argv += ["--mtu", str(tb_mtu)]
+        links_mtu = (tb.status().get("config") or {}).get("mtu")  # testbed up --mtu
+        if links_mtu:
+            argv += ["--mtu", str(links_mtu)]
         for opt in ("retx_interval", "window"):
             if getattr(args, opt, None) is not None:
                 argv += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
