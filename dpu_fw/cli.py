@@ -5,6 +5,7 @@ import logging
 import os
 
 from dosa.errors import DosaError
+from dosa.job import DPU_MODES
 
 
 def _addr(s: str) -> tuple[str, int]:
@@ -19,7 +20,7 @@ def register(sub) -> None:
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
     r = dsub.add_parser("run", help="run the DPU worker (results, shadow copies, retransmission; "
                                     "userspace mode also merges)")
-    r.add_argument("--mode", choices=("xdp", "userspace"), default="xdp")
+    r.add_argument("--mode", choices=DPU_MODES, default="xdp")
     r.add_argument("--job-config", action="append", default=[], metavar="FILE",
                    help="a job's JSON config (dosa.job.JobConfig); repeatable")
     r.add_argument("--dpu-index", type=int, default=None,

@@ -119,10 +119,6 @@ class Sparse:
     values: np.ndarray
 
 
-def sparsify(grads: list[np.ndarray], k: int) -> list[Sparse]:
-    return [Sparse(i, g[i]) for g in grads for i in [topk_indices(g, k)]]
-
-
 def overlap_stats(index_sets: list[np.ndarray]) -> dict:
     """How much the hosts' index sets overlap.
 
