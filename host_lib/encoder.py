@@ -177,8 +177,15 @@ class RoundEncoder:
             return
         if int(indices.min()) < 0 or int(indices.max()) >= self.numel:
             raise ValueError(f"fold_back: indices must lie in [0, {self.numel})")
-        if len(indices) > 1 and np.unique(indices).size != len(indices):
+        # ascending (as unapplied returns them) proves unique in one pass; other orders pay a sort
+        if len(indices) > 1 and not bool((indices[1:] > indices[:-1]).all()) and \
+                np.unique(indices).size != len(indices):
             raise ValueError("fold_back: indices must be unique")
+        if self.device.type == "cpu":
+            # through the residual's zero-copy numpy view: torch's indexed add measured 90 ms a
+            # round (4 host processes on one core, 100k entries), numpy's 3 ms
+            self.r.numpy()[indices] += dequantize(q, s)
+            return
         at = torch.from_numpy(indices.astype(np.int64)).to(self.device)
         self.r[at] += torch.from_numpy(dequantize(q, s)).to(self.device)
 

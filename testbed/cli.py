@@ -41,6 +41,9 @@ def register(sub) -> None:
     up.add_argument("--no-services", action="store_true",
                     help="topology only: do not start the control plane and DPU workers")
     up.add_argument("--subnet", default=None, help=f"IPv4 network (default {config.DEFAULT_SUBNET})")
+    up.add_argument("--mtu", type=int, default=None,
+                    help=f"MTU of every link (default {config.DEFAULT_MTU}, at most "
+                         f"{config.MAX_MTU}: the largest frame native XDP takes on a veth)")
     up.add_argument("--ready-timeout", type=float, default=120.0,
                     help="seconds to wait for the DPU services to become ready")
     up.set_defaults(func=cmd_up)
@@ -64,16 +67,6 @@ def register(sub) -> None:
     _run_args(cap)
     cap.set_defaults(func=cmd_capture)
 
-    rs = tsub.add_parser("restart", parents=[common],
-                         help="restart a DPU's worker (or control plane) and record the new process",
-                         description="Kill the recorded process of the service, start the same command "
-                                     "again in the DPU's namespace, wait until it is ready; `status` "
-                                     "then reports the new pid as alive (docs/testbed.md).")
-    rs.add_argument("node", help="the DPU, e.g. d0")
-    rs.add_argument("--service", choices=("dpu", "ctl"), default="dpu",
-                    help="dpu: the DPU worker (default); ctl: the control plane")
-    rs.set_defaults(func=cmd_restart)
-
     ex = tsub.add_parser("exec", parents=[common], help="run a command inside one node (h0, d0, fab)")
     ex.add_argument("node")
     ex.add_argument("cmd", nargs=argparse.REMAINDER)
@@ -91,9 +84,6 @@ def _run_args(p) -> None:
     p.add_argument("--log-dir", default=None, help="where rank<i>.out/.err go (default under /tmp)")
     p.add_argument("--master-port", type=int, default=config.DEFAULT_MASTER_PORT)
     p.add_argument("--quiet", action="store_true", help="do not echo the ranks' output")
-    p.add_argument("--torchrun", action="store_true",
-                   help="start one real torchrun agent per host (c10d rendezvous over the fabric); "
-                        "the command is then SCRIPT ARGS")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
 
 
@@ -116,7 +106,7 @@ def cmd_up(args) -> int:
     st = tb.up(args.hosts, args.dpus, link_rate=args.link_rate, delay=args.delay, loss=args.loss,
                dup=args.dup, reorder=args.reorder, shape_dpus=args.shape_dpus,
                cpu_split=args.cpu_split, mode=args.mode, services=not args.no_services,
-               ready_timeout=args.ready_timeout)
+               ready_timeout=args.ready_timeout, mtu=args.mtu)
     _print_status(st)
     return 0
 
@@ -154,8 +144,7 @@ def _print_status(st: dict) -> None:
                                    if [q for q in i["qdiscs"] if q != "noqueue"] else "")
                       for i in fab["interfaces"]))
     for p in st["processes"]:
-        again = f" (restarted {p['restarts']}x)" if p.get("restarts") else ""
-        print(f"  {p['name']:10} pid {p['pid']:<7} {'alive' if p['alive'] else 'DEAD'}{again}  log {p['log']}")
+        print(f"  {p['name']:10} pid {p['pid']:<7} {'alive' if p['alive'] else 'DEAD'}  log {p['log']}")
 
 
 def _shaping_line(sh: dict, shape_dpus: bool) -> str:
@@ -183,7 +172,7 @@ def cmd_down(args) -> int:
 
 def cmd_run(args) -> int:
     res = _tb(args).run(_cmd(args), timeout=args.timeout, log_dir=args.log_dir,
-                        echo=not args.quiet, master_port=args.master_port, torchrun=args.torchrun)
+                        echo=not args.quiet, master_port=args.master_port)
     return _report_run(res)
 
 
@@ -198,7 +187,7 @@ def cmd_capture(args) -> int:
     flt = args.filter.split() if args.filter else None
     stats, res = _tb(args).capture(args.out, _cmd(args), timeout=args.timeout, bpf_filter=flt,
                                    log_dir=args.log_dir, echo=not args.quiet,
-                                   master_port=args.master_port, torchrun=args.torchrun)
+                                   master_port=args.master_port)
     drops = f", {stats.dropped_by_kernel} dropped by the kernel" if stats.dropped_by_kernel else ""
     print(f"dosa: captured {stats.packets} packets to {stats.path}{drops}")
     return _report_run(res)
@@ -206,22 +195,9 @@ def cmd_capture(args) -> int:
 
 def cmd_exec(args) -> int:
     tb = _tb(args)
-    st = tb._require_state()
-    env = {}
-    dpus = {n.name: n for n in tb.layout(st).dpu_nodes}
-    if args.node in dpus:  # `dosa ctl ...` inside a DPU finds its dataplane and control plane
-        env["DOSA_PIN_DIR"] = str(tb.pin_dir / dpus[args.node].name)
-        env["DOSA_CONTROL"] = f"{dpus[args.node].address}:{st['control_port']}"
-    p = tb.exec_in(args.node, _cmd(args), capture=False, env=env)
+    tb._require_state()
+    p = tb.exec_in(args.node, _cmd(args), capture=False)
     return p.returncode
-
-
-def cmd_restart(args) -> int:
-    from testbed.restart import restart_service
-
-    rec = restart_service(_tb(args), args.node, args.service)
-    print(f"dosa: restarted {rec['name']}: pid {rec['pid']} (restart {rec['restarts']}), log {rec['log']}")
-    return 0
 
 
 def cmd_deploy(args) -> int:

@@ -28,7 +28,7 @@ from dosa.errors import DosaError
 from testbed import config, impair, ns, state
 from testbed.capture import CaptureStats, Tcpdump
 from testbed.config import BRIDGE, NODE_IFACE, Layout, Node
-from testbed.runner import RankSpec, RunResult, run_ranks, torchrun_argv
+from testbed.runner import RankSpec, RunResult, run_ranks
 from testbed.services import CONTROL_PORT, DATA_PORT, DpuContext, ServiceSpec, dpu_services
 from testbed.shaping import Shaping
 
@@ -101,10 +101,17 @@ class Testbed:
     def up(self, hosts: int, dpus: int, *, link_rate: str | None = None, delay: str | None = None,
            loss=None, dup=None, reorder=None, shape_dpus: bool = False, cpu_split: bool = False,
            mode: str = "xdp", services: bool = True, ready_timeout: float = 120.0,
-           data_port: int = DATA_PORT, control_port: int = CONTROL_PORT) -> dict:
+           data_port: int = DATA_PORT, control_port: int = CONTROL_PORT, mtu: int | None = None) -> dict:
         """Build the topology (and start the DPU services unless ``services=False``); return
-        ``status()``. On any failure everything built so far is torn down before the error."""
+        ``status()``. On any failure everything built so far is torn down before the error.
+
+        ``mtu``: of every link, at most ``config.MAX_MTU`` (the largest frame native XDP takes on
+        a veth without multi-buffer); default ``config.DEFAULT_MTU``."""
         ns.require_root("dosa testbed up")
+        mtu = config.DEFAULT_MTU if mtu is None else mtu
+        if not isinstance(mtu, int) or not config.MIN_MTU <= mtu <= config.MAX_MTU:
+            raise DosaError(f"--mtu {mtu!r} outside {config.MIN_MTU}..{config.MAX_MTU} (the largest "
+                            "frame native XDP takes on a veth without multi-buffer)")
         layout = Layout(self.prefix, hosts, dpus, self.subnet)
         shaping = Shaping.parse(link_rate, delay, loss, dup, reorder)
         if mode not in MODES:
@@ -119,7 +126,7 @@ class Testbed:
         st = {"prefix": self.prefix, "subnet": self.subnet, "hosts": hosts, "dpus": dpus,
               "shaping": shaping.to_json(), "shape_dpus": shape_dpus, "cpu_split": cpu_split,
               "host_cpus": host_cpus, "dpu_cpus": dpu_cpus, "mode": mode, "services": services,
-              "data_port": data_port, "control_port": control_port,
+              "data_port": data_port, "control_port": control_port, "mtu": mtu,
               "nodes": [n.__dict__ for n in layout.nodes], "fabric_ns": layout.fabric_ns,
               "bridge": BRIDGE, "processes": [], "status": "building", "next_job_id": 1,
               "created_at": time.time(), "created_by_pid": os.getpid(),
@@ -127,7 +134,7 @@ class Testbed:
         try:
             state.save(self.state_path, st)
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._build(layout, shaping, shape_dpus)
+            self._build(layout, shaping, shape_dpus, mtu)
             st["status"] = "up" if not services else "starting"
             state.save(self.state_path, st)
             if services and dpus:
@@ -148,7 +155,8 @@ class Testbed:
     def _prefix_flag(self) -> str:
         return "" if self.prefix == config.DEFAULT_PREFIX else f" --prefix {self.prefix}"
 
-    def _build(self, layout: Layout, shaping: Shaping, shape_dpus: bool) -> None:
+    def _build(self, layout: Layout, shaping: Shaping, shape_dpus: bool,
+               mtu: int = config.DEFAULT_MTU) -> None:
         fab = layout.fabric_ns
         ns.ip("netns", "add", fab)
         ns.ip("link", "set", "lo", "up", ns=fab)
@@ -166,9 +174,9 @@ class Testbed:
             ns.ip("link", "set", "lo", "up", ns=n.namespace)
             ns.ip("link", "add", n.fabric_port, "address", n.fabric_mac, "type", "veth", "peer",
                   "name", NODE_IFACE, "address", n.mac, "netns", n.namespace, ns=fab)
-            ns.ip("link", "set", n.fabric_port, "addrgenmode", "none", ns=fab)
+            ns.ip("link", "set", n.fabric_port, "addrgenmode", "none", "mtu", str(mtu), ns=fab)
             ns.ip("link", "set", n.fabric_port, "master", BRIDGE, "up", ns=fab)
-            ns.ip("link", "set", NODE_IFACE, "addrgenmode", "none", ns=n.namespace)
+            ns.ip("link", "set", NODE_IFACE, "addrgenmode", "none", "mtu", str(mtu), ns=n.namespace)
             ns.ip("addr", "add", f"{n.address}/{layout.prefixlen}", "dev", NODE_IFACE, ns=n.namespace)
             ns.ip("link", "set", NODE_IFACE, "up", ns=n.namespace)
             ns.ip("route", "add", config.MULTICAST_NET, "dev", NODE_IFACE, ns=n.namespace)
@@ -332,11 +340,11 @@ class Testbed:
         fab = st["fabric_ns"]
         fab_exists = ns.netns_exists(fab)
         procs = [{**{k: r[k] for k in ("name", "node", "namespace", "pid", "argv", "log")},
-                  "alive": ns.alive(r["pid"], r.get("start_time")),
-                  "restarts": r.get("restarts", 0)} for r in st["processes"]]
+                  "alive": ns.alive(r["pid"], r.get("start_time"))} for r in st["processes"]]
         cfg = {k: st[k] for k in ("hosts", "dpus", "subnet", "shaping", "shape_dpus", "cpu_split",
                                   "host_cpus", "dpu_cpus", "mode", "services", "data_port",
                                   "control_port")}
+        cfg["mtu"] = st.get("mtu")
         out.update({
             "up": st.get("status") == "up" and fab_exists and all(x["exists"] for x in nodes),
             "config": cfg, "nodes": nodes,
@@ -372,11 +380,9 @@ class Testbed:
 
     def run(self, argv: list[str], timeout: float | None = None, env: dict | None = None,
             log_dir: str | os.PathLike | None = None, echo=True,
-            master_port: int = config.DEFAULT_MASTER_PORT, torchrun: bool = False) -> RunResult:
+            master_port: int = config.DEFAULT_MASTER_PORT) -> RunResult:
         """Run ``argv`` in every host namespace concurrently (rank i in ``<prefix>-h<i>``); see
-        testbed.runner. ``env`` adds to every rank's environment. ``torchrun``: start one real
-        torchrun agent per host instead (c10d rendezvous at the first host's ``master_port``;
-        ``argv`` is then ``SCRIPT ARGS``), which sets the torch variables itself."""
+        testbed.runner. ``env`` adds to every rank's environment."""
         st = self._require_state()
         job_id = int(st.get("next_job_id", 1))
         st["next_job_id"] = job_id % (2**32 - 1) + 1
@@ -399,12 +405,7 @@ class Testbed:
                 if var not in os.environ:
                     e[var] = NODE_IFACE
             e.update({k: str(v) for k, v in (env or {}).items()})
-            own = None
-            if torchrun:
-                own = torchrun_argv(list(argv), nnodes=len(lay.host_nodes), rdzv_id=job_id,
-                                    rdzv_endpoint=f"{lay.host_nodes[0].address}:{master_port}",
-                                    local_addr=node.address, is_host=node.index == 0)
-            specs.append(RankSpec(node.index, node.namespace, e, st["host_cpus"], own))
+            specs.append(RankSpec(node.index, node.namespace, e, st["host_cpus"]))
         return run_ranks(specs, list(argv), Path(log_dir), timeout=timeout, echo=echo)
 
     def capture(self, out: str | os.PathLike, argv: list[str], timeout: float | None = None,

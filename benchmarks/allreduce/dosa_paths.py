@@ -176,6 +176,94 @@ def _wait_files(files: list[Path], what: str, timeout: float = 120.0) -> None:
         time.sleep(0.002)
 
 
+#: Partition ranges a host's end-to-end round is cut into (DOSA_BENCH_E2E_CHUNKS; 1 = one blocking
+#: allreduce_sparse of the whole gradient): each range is encoded and handed to the round's
+#: SparseStream at once, so its packets are on the wire while the next range is encoded, and each
+#: range's result is turned into dense output as soon as it is back. Default 1: on the testbed all
+#: hosts share one core, so there is no idle core to hide the encoding in, and the stream's thread
+#: and the encoding thread hand the GIL back and forth (measured at 2 hosts, 2M: 207 ms a round with
+#: 8 ranges, 83 ms blocking; docs/performance.md).
+E2E_CHUNKS = 1
+
+
+class _Chunks:
+    """Partition-aligned ranges of the index space, each with its own RoundEncoder (top-k of each
+    range, as the DDP hook selects per bucket; the k rule of host_lib.encoder applies per range)."""
+
+    def __init__(self, c, n: int, density: float, workers: int, rank: int):
+        from host_lib.encoder import RoundEncoder
+
+        P, ps, numel = c.pmap.num_partitions, c.pmap.partition_size, c.job.numel
+        self.parts = np.unique(np.linspace(0, P, min(n, P) + 1).round().astype(np.int64))
+        self.bounds = [(int(p0) * ps, min(int(p1) * ps, numel)) for p0, p1 in
+                       zip(self.parts[:-1], self.parts[1:])]
+        self.encs = [RoundEncoder(hi - lo, density, workers, method="fast", seed=rank * 7919 + i)
+                     for i, (lo, hi) in enumerate(self.bounds)]
+        self.touched = [np.zeros(0, np.uint32) for _ in self.encs]
+
+
+def _e2e_blocking(c, enc, g, scale, mode, out, touched, phases):
+    """One round, not pipelined: encode everything, allreduce_sparse, dense output."""
+    from host_lib import _net
+
+    th = time.thread_time()
+    e = enc.encode(g, scale)
+    nz = e.values != 0  # a zero after quantization is not sent (its remainder is in the residual)
+    idx, q = e.indices[nz], e.values[nz]
+    th = _tick(phases, "select+error feedback+quantize", th)
+    ridx, sums = c.allreduce_sparse(idx, q, scale)
+    th = time.thread_time()
+    if mode == "gtopk":
+        enc.fold_back(*enc.unapplied(type(e)(idx, q, scale), ridx), scale)
+        th = _tick(phases, "fold back", th)
+    if touched is None:
+        out[:] = 0
+        touched = ridx[:0]
+    # out[touched] = 0; out[ridx] = dequantize(sums) in one Cython pass
+    _net.scatter_dense(out, touched, ridx, sums, scale)
+    _tick(phases, "dense output", th)
+    return idx, q, ridx, sums, ridx
+
+
+def _e2e_pipelined(c, ch: "_Chunks", g, scale, mode, out, phases):
+    """One round through a SparseStream: range by range, encode and hand over (its packets go out
+    at once), then take each range's result as it completes into the dense output."""
+    from host_lib import _net
+    from host_lib.encoder import EncodedRound
+
+    th = time.thread_time()
+    stream = c.open_stream(scale)
+    futs, sent = [], []
+    for i, ((lo, hi), p1) in enumerate(zip(ch.bounds, ch.parts[1:])):
+        e = ch.encs[i].encode(g[lo:hi], scale)
+        nz = e.values != 0
+        ii = e.indices[nz].astype(np.uint32) + np.uint32(lo)
+        qq = e.values[nz]
+        th = _tick(phases, "select+error feedback+quantize", th)
+        stream.send(ii, qq, int(p1))
+        futs.append(stream.wait_for(int(ch.parts[i]), int(p1)))
+        sent.append((ii, qq))
+        th = _tick(phases, "packetize+hand over", th)
+    rid, rs = [], []
+    for i, f in enumerate(futs):
+        ri, su = f.result()
+        th = time.thread_time()
+        if mode == "gtopk":
+            lo = np.uint32(ch.bounds[i][0])
+            ch.encs[i].fold_back(*ch.encs[i].unapplied(
+                EncodedRound(sent[i][0] - lo, sent[i][1], scale), ri - lo), scale)
+            th = _tick(phases, "fold back", th)
+        _net.scatter_dense(out, ch.touched[i], ri, su, scale)
+        ch.touched[i] = ri
+        _tick(phases, "dense output", th)
+        rid.append(ri)
+        rs.append(su)
+    stream.finish()
+    return (np.concatenate([x[0] for x in sent]), np.concatenate([x[1] for x in sent]),
+            np.concatenate(rid), np.concatenate(rs))
+
+
+
 def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path, e2e_dir: Path,
                 rounds: int, warmup: int, density: float, rec: dict) -> None:
     """Time dosa end to end, like the baselines' ``end_to_end``: dense gradient in (the work folder's
@@ -197,7 +285,10 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
     from host_lib.quantize import dequantize
 
     g = np.load(workdir / f"grad{rank}.npy")
-    enc = RoundEncoder(c.job.numel, density, workers, method="fast", seed=rank)
+    n_chunks = int(os.environ.get("DOSA_BENCH_E2E_CHUNKS", str(E2E_CHUNKS)))
+    chunks = None if n_chunks <= 1 else _Chunks(c, n_chunks, density, workers, rank)
+    enc = RoundEncoder(c.job.numel, density, workers, method="fast", seed=rank) if chunks is None else None
+    rec["e2e_chunks"] = 1 if chunks is None else len(chunks.encs)
     out = np.zeros(c.job.numel, np.float32)
     touched = None
     times, cpu, sent_n, kept = [], [], [], []
@@ -217,24 +308,14 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
             phases.clear()
             dpu0 = _proc_cpu_s(_dpu_pids()) if rank == 0 else None
         t0, c0 = time.perf_counter(), time.process_time()
-        th = time.thread_time()
-        e = enc.encode(g, scale)
-        nz = e.values != 0  # a zero after quantization is not sent (its remainder is in the residual)
-        idx, q = e.indices[nz], e.values[nz]
-        th = _tick(phases, "select+error feedback+quantize", th)
-        ridx, sums = c.allreduce_sparse(idx, q, scale)
-        th = time.thread_time()
-        if mode == "gtopk":
-            enc.fold_back(*enc.unapplied(type(e)(idx, q, scale), ridx), scale)
-            th = _tick(phases, "fold back", th)
-        if touched is None:
-            out[:] = 0
-            touched = ridx[:0]
-        # out[touched] = 0; out[ridx] = dequantize(sums) in one Cython pass
-        _net.scatter_dense(out, touched, ridx, sums, scale)
-        touched = ridx
-        _tick(phases, "dense output", th)
+        m0 = time.thread_time()
+        if chunks is None:
+            idx, q, ridx, sums, touched = _e2e_blocking(c, enc, g, scale, mode, out, touched, phases)
+        else:
+            idx, q, ridx, sums = _e2e_pipelined(c, chunks, g, scale, mode, out, phases)
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        if chunks is not None:  # the stream's background thread: receive, absorb, retransmit, decode
+            phases["stream thread"] = phases.get("stream thread", 0.0) + dc - (time.thread_time() - m0)
         vals = dequantize(sums, scale)  # untimed: the check of the dense output below
         dense_ok &= bool(np.count_nonzero(out) == np.count_nonzero(vals)
                          and np.array_equal(out[ridx], vals))
@@ -436,11 +517,12 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
     cpu_split = getattr(args, "cpu_split", None)
     cpu_split = bool(getattr(args, "testbed", True) if cpu_split is None else cpu_split)
     tb.up(args.hosts, args.dpus, mode=path, link_rate=link_rate, cpu_split=cpu_split,
-          shape_dpus=bool(getattr(args, "shape_dpus", False)))
+          shape_dpus=bool(getattr(args, "shape_dpus", False)), mtu=getattr(args, "mtu", None))
     try:
         up_s = time.monotonic() - t_up
         # the testbed runs the DPUs' receive (the XDP merge) in threaded NAPI on the DPU cores
         napi = tb.status().get("dpu_napi_threads") or []
+        tb_mtu = tb.status().get("config", {}).get("mtu")
         argv = [sys.executable, "-m", "benchmarks.allreduce.dosa_paths", "--host", "--numel", str(args.numel),
                 "--density", str(args.density), "--rounds", str(args.rounds), "--warmup",
                 str(args.warmup), "--mode", args.mode, "--out", str(res_dir)]
@@ -512,7 +594,7 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
         "rounds_wrong": sum(r["rounds_wrong"] for r in ranks),
         "multicast": all(r.get("multicast") for r in ranks),
         "inputs": "work folder" if workdir is not None else "uniform random",
-        "link_rate": link_rate, "cpu_split": cpu_split,
+        "link_rate": link_rate, "cpu_split": cpu_split, "mtu": tb_mtu,
         "testbed_up_s": up_s,
         "dpu_napi_threads_pinned": len(napi),
         "host_cpu_s_per_round": [float(statistics.median(r["cpu_s"])) for r in ranks],

@@ -68,6 +68,8 @@ OPTIONS = [
                                                     "testbed brought up per host count (root); default: loopback")),
     (("--testbed-prefix",), dict(default="bench", help="prefix of that testbed (default bench)")),
     (("--shape-dpus",), dict(action="store_true", help="DPU links are shaped too (counts in `limit`)")),
+    (("--mtu",), dict(type=int, default=None, help="MTU of every testbed link (default: the testbed's, "
+                                                   "the largest native XDP takes on a veth)")),
     (("--packet-rate-seconds",), dict(type=float, default=1.0, help="how long to measure the raw UDP "
                                                                    "packet rate (default 1 s; 0 = skip)")),
     (("--timeout",), dict(type=float, default=900.0, help="bound on each baseline run (default 900 s)")),
@@ -177,7 +179,7 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
                 # another benchmark's) must not tear the other run's testbed down in `finally`;
                 # a failed up cleans up after itself.
                 bed.up(hosts=world, dpus=args.dpus, link_rate=args.link_rate, cpu_split=True,
-                       services=False, shape_dpus=args.shape_dpus)
+                       services=False, shape_dpus=args.shape_dpus, mtu=args.mtu)
                 tb = bed
             methods = {}
             gl = [m for m in args.baselines if m in B.METHODS]
@@ -211,7 +213,7 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
               "correlation": None if loaded is not None or args.real_model else args.correlation,
               "gradients": args.gradients or (f"real MLP on digits, {args.real_model} steps"
                                               if args.real_model else "synthetic"), "link_rate": args.link_rate,
-              "rounds": args.rounds, "warmup": args.warmup, "seed": args.seed,
+              "rounds": args.rounds, "warmup": args.warmup, "seed": args.seed, "mtu": args.mtu,
               "where": f"testbed {args.testbed_prefix}" if args.testbed else "loopback",
               "command": " ".join(shlex.quote(a) for a in sys.argv)}
     doc = R.document(config, runs, machine)
