@@ -34,6 +34,8 @@ from dosa.wire import (
     Flags, PacketBatch, PacketType, PartitionMap, ProtocolError,
 )
 
+from . import _net
+
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 # The fixed-stride views rely on these: every slot and every payload block starts 4-byte aligned.
@@ -411,31 +413,20 @@ def parse_batch(batch: PacketBatch, *, on_error: str = "raise") -> ParsedPackets
     indices = np.empty(m, np.uint32)
     values = np.empty(m, np.int32)
     if m:
-        flat = batch.data.reshape(-1)
-        u16, s32, u32 = flat.view(wire.SPARSE_OFFSET_DTYPE), flat.view(wire.VALUE_DTYPE), flat.view(">u4")
-        base = hdr["base"].astype(np.int64)
-        row0 = kept * stride
-        # entry e of packet p sits at position e - offsets[p]: a per-packet shift, repeated
-        shift = np.repeat(-offsets[:-1], count) + np.arange(m, dtype=np.int64)
-        if _SPARSE[t].all():  # the common case: two gathers (offsets, values), no masks
-            indices[:] = np.repeat(base, count) + u16[np.repeat((row0 + HDR_LEN) // 2, count) + shift]
-            values[:] = s32[np.repeat((row0 + wire.value_offset(count)) // 4, count) + shift]
-        else:
-            sp = np.repeat(_SPARSE[t], count)
-            de = np.repeat(_DENSE[t], count)
-            b = np.repeat(base, count)
-            first_word = np.repeat((row0 + HDR_LEN) // 4, count) + shift
-            idx = np.where(de, b + shift, 0)
-            val = np.zeros(m, np.int64)
-            if sp.any():
-                idx[sp] = b[sp] + u16[np.repeat((row0 + HDR_LEN) // 2, count)[sp] + shift[sp]]
-                val[sp] = s32[np.repeat((row0 + wire.value_offset(count)) // 4, count)[sp] + shift[sp]]
-            other = ~sp
-            word = u32[first_word[other]].astype(np.int64)
-            idx[other] = np.where(de[other], idx[other], word)
-            val[other] = np.where(de[other], word.astype(np.uint32).view(np.int32), 0)
-            indices[:] = idx.astype(np.uint32)
-            values[:] = val.astype(np.int32)
+        # one Cython pass (host_lib._net.decode_entries) with the layout from dosa.wire: sparse
+        # types' u16 offsets after the header and values at wire.value_offset; every other type one
+        # block of 4-byte words after the header, decoded as a dense run from 0 and, for
+        # RETX_REQUEST / STATUS, moved into ``indices`` (their entries are u32 seqs / worker ids)
+        sp = _SPARSE[t]
+        offset_at = np.where(sp, HDR_LEN, -1).astype(np.int64)
+        value_at = np.where(sp, wire.value_offset(count), HDR_LEN).astype(np.int64)
+        base = np.where(sp | _DENSE[t], hdr["base"].astype(np.int64), 0)
+        if _net.decode_entries(batch.data, kept, count, base, offset_at, value_at, indices, values) != m:
+            raise ProtocolError("validated packets with more entries than their slots (a bug)")
+        ctl = np.repeat(~(sp | _DENSE[t]), count)
+        if ctl.any():
+            indices[ctl] = values[ctl].view(np.uint32)
+            values[ctl] = 0
     return ParsedPackets(headers=hdr, offsets=offsets, indices=indices, values=values, kept=kept,
                          dropped=dropped)
 
