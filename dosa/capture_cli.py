@@ -33,6 +33,10 @@ def register(subparsers) -> None:
                           "its last (a capture started or stopped mid-run); one in between always "
                           "fails")
     ver.set_defaults(func=cmd_verify)
+    dis = sub.add_parser("dissector", help="write the Wireshark dissector (Lua, generated from "
+                                           "dosa/wire.py) and print its path: tshark -X lua_script:PATH")
+    dis.add_argument("--out", help="write it here (default: ~/.cache/dosa/dosa-vN.lua)")
+    dis.set_defaults(func=cmd_dissector)
 
 
 def _port(args):
@@ -129,3 +133,10 @@ def cmd_verify(args) -> int:
     else:
         print(f"FAILED: {len(rep['mismatches'])} partition results do not match their data")
     return 0 if rep["ok"] else 1
+
+
+def cmd_dissector(args) -> int:
+    from dosa import wireshark
+
+    print(wireshark.write(args.out))
+    return 0

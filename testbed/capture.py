@@ -25,6 +25,41 @@ from testbed.ns import netns_cmd
 READY_TIMEOUT_S = 10.0
 
 
+class WireFrames:
+    """While recording, every node segments its own UDP GSO sends (``tx-udp-segmentation off`` on
+    its interface), so the bridge -- and the capture -- carries the packets a wire would, not the
+    64 KB GSO aggregates a veth passes along unsegmented (a capture of those shows one "packet"
+    holding several dosa packets, which neither Wireshark nor the scapy layer would read as sent).
+    Interfaces that already segment are left alone; the others are switched back on exit."""
+
+    def __init__(self, nodes: list[tuple[str, str]]):
+        self.nodes = nodes  # (namespace, interface)
+        self.changed: list[tuple[str, str]] = []
+
+    @staticmethod
+    def _ethtool(namespace: str, *args: str) -> subprocess.CompletedProcess:
+        # `ip netns exec` gives ethtool the namespace's own /sys (see testbed.impair)
+        return subprocess.run(["ip", "netns", "exec", namespace, "ethtool", *args],
+                              capture_output=True, text=True)
+
+    def __enter__(self):
+        for namespace, dev in self.nodes:
+            k = self._ethtool(namespace, "-k", dev)
+            if re.search(r"^tx-udp-segmentation: on", k.stdout, re.M):
+                p = self._ethtool(namespace, "-K", dev, "tx-udp-segmentation", "off")
+                if p.returncode != 0:
+                    self.__exit__()
+                    raise DosaError(f"cannot turn off UDP segmentation offload on {dev} in "
+                                    f"{namespace}: {p.stderr.strip()}")
+                self.changed.append((namespace, dev))
+        return self
+
+    def __exit__(self, *exc):
+        for namespace, dev in self.changed:
+            self._ethtool(namespace, "-K", dev, "tx-udp-segmentation", "on")
+        self.changed = []
+
+
 @dataclass
 class CaptureStats:
     path: str

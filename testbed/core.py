@@ -26,7 +26,7 @@ from pathlib import Path
 from dosa.errors import DosaError
 
 from testbed import config, impair, ns, state
-from testbed.capture import CaptureStats, Tcpdump
+from testbed.capture import CaptureStats, Tcpdump, WireFrames
 from testbed.config import BRIDGE, NODE_IFACE, Layout, Node
 from testbed.runner import RankSpec, RunResult, run_ranks
 from testbed.services import CONTROL_PORT, DATA_PORT, DpuContext, ServiceSpec, dpu_services
@@ -412,7 +412,8 @@ class Testbed:
                 bpf_filter: list[str] | None = None, **run_kw) -> tuple[CaptureStats, RunResult]:
         """Run ``argv`` like ``run`` while tcpdump records the fabric bridge into ``out``."""
         st = self._require_state()
-        with Tcpdump(st["fabric_ns"], out, bpf_filter) as td:
+        nodes = [(n["namespace"], NODE_IFACE) for n in st["nodes"]]
+        with WireFrames(nodes), Tcpdump(st["fabric_ns"], out, bpf_filter) as td:
             try:
                 result = self.run(argv, timeout=timeout, **run_kw)
             finally:
