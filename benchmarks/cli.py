@@ -1,4 +1,4 @@
-"""``dosa bench host | dataplane | allreduce | offload``: every benchmark's command line, in one place.
+"""``dosa bench host | dataplane | allreduce | offload | train``: every benchmark's command line, in one place.
 
 Each benchmark module is imported only when its command runs, so ``dosa --help`` stays fast and a
 benchmark's heavy dependencies (torch, bcc) are not needed to list them."""
@@ -16,6 +16,7 @@ def register_bench(bench_sub) -> None:
     _register_dataplane(bench_sub)
     _register_allreduce(bench_sub)
     _register_offload(bench_sub)
+    _register_train(bench_sub)
     _register_bigjob(bench_sub)
 
 
@@ -155,3 +156,15 @@ def _register_offload(bench_sub) -> None:
                    help="niceness of the host loop and the services alike (e.g. -10 on a busy shared "
                         "machine, to approach dedicated cores; below 0 needs root)")
     b.set_defaults(func=offload.main)
+
+
+# --- dosa bench train --------------------------------------------------------------------------
+
+def _register_train(bench_sub) -> None:
+    from benchmarks import train  # light: torch is imported by the ranks only
+
+    p = bench_sub.add_parser(
+        "train", help="time to accuracy: dosa vs dense Gloo, DGC allgather and PowerSGD (testbed, root)",
+        description=train.__doc__.split("\n\n")[0])
+    train.add_arguments(p)
+    p.set_defaults(func=train.run_cli)

@@ -31,7 +31,6 @@ What one training step does (details and the reasons in ``docs/training.md``):
 
 import logging
 import math
-import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -94,17 +93,9 @@ def _default_client_factory(numel: int, job_options: dict | None = None):
     from dosa.errors import DosaError
     from host_lib.client import AggregationClient  # imported late: dosa may be absent
 
-    env = os.environ
-    if job_options and not env.get("DOSA_JOB_CONFIG") and env.get("DOSA_CONTROL_ADDR") \
-            and env.get("DOSA_CONTROL_PORT"):
-        from dosa.join import join
-
-        rank = int(env.get("RANK", "0"))
-        job = join((env["DOSA_CONTROL_ADDR"], int(env["DOSA_CONTROL_PORT"])), worker_id=rank,
-                   numel=numel, **job_options)
-        client = AggregationClient(job, worker_id=rank)
-    else:
-        client = AggregationClient.from_env(numel=numel)
+    # joined through the control plane, the client keeps a membership (heartbeats; it leaves the
+    # job on close, so the job's DPU slots are free for the next run)
+    client = AggregationClient.from_env(numel=numel, join=dict(job_options or {}))
     job_numel = getattr(getattr(client, "job", None), "numel", numel)
     if job_numel != numel:
         client.close()
