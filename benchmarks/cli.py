@@ -18,6 +18,19 @@ def register_bench(bench_sub) -> None:
     _register_offload(bench_sub)
     _register_train(bench_sub)
     _register_bigjob(bench_sub)
+    _register_recovery(bench_sub)
+
+
+# --- dosa bench recovery -----------------------------------------------------------------------
+
+def _register_recovery(bench_sub) -> None:
+    from benchmarks import recovery  # light: numpy only until it runs
+
+    p = bench_sub.add_parser(
+        "recovery", help="round time under loss/dup/reorder vs clean, and time to name a killed host (root)",
+        description=recovery.__doc__.split("\n\n")[0])
+    recovery.add_arguments(p)
+    p.set_defaults(func=recovery.run_cli)
 
 
 # --- dosa bench host ---------------------------------------------------------------------------

@@ -45,6 +45,14 @@ ANSWER_GUARD = 0.1
 #: Seconds during which a missing worker is not NACKed again for the same (partition, round): one
 #: NACK per asker's timer would make it resend its contribution once per other host.
 NACK_GUARD = 0.002
+#: The NACK scan (JobRuntime.nack_scan): how often, and how long a worker may lag behind the others
+#: of a (partition, round) before it is told: its packets come back to back, so one whose first
+#: packets are in and the rest not for NACK_PARTIAL_S lost them; one with none in may just be slow
+#: (hosts start a round tens of ms apart on a loaded machine): it is told only after NACK_ABSENT_S.
+NACK_SCAN_S = 0.002
+NACK_PARTIAL_S = 0.002
+NACK_ABSENT_S = 0.03
+NACK_REPEAT_S = 0.03
 #: Completed partitions whose results are built and sent per sendmmsg batch: results then flow to the
 #: hosts while the rest are built (a host seeing no progress for its retransmission interval asks again).
 EMIT_CHUNK = 32
@@ -80,6 +88,7 @@ class JobRuntime:
         self._answered: dict[tuple[int, int, int], float] = {}
         self._emitted: dict[tuple[int, int], float] = {}
         self._nacked: dict[tuple[int, int, int], float] = {}
+        self._stuck: dict[tuple[int, int, int], float] = {}  # (lp, rnd, w) -> first seen missing
         #: this job's counters on this DPU (completions, result packets/entries, answers to
         #: retransmission requests by outcome, userspace merge verdicts): /metrics serves them
         self.stats = collections.Counter()
@@ -217,7 +226,10 @@ class JobRuntime:
         if seqs is None or not len(seqs):
             now = time.monotonic()
             key = (lp, rnd, worker)
-            if now - max(self._answered.get(key, -1.0), self._emitted.get((lp, rnd), -1.0)) < ANSWER_GUARD:
+            # a data duplicate is answered once per ANSWER_GUARD; an explicit ask (RETX_REQUEST,
+            # count 0) comes once per the host's measured RTO and is answered unless it is a burst
+            guard = ANSWER_GUARD if seqs is None else NACK_GUARD
+            if now - max(self._answered.get(key, -1.0), self._emitted.get((lp, rnd), -1.0)) < guard:
                 return "answer_suppressed"
             if len(self._answered) > 65536:
                 self._answered.clear()
@@ -233,6 +245,26 @@ class JobRuntime:
                     np.full(len(rows), self.host_port[worker]))
         return "retx_answered"
 
+
+    def nack_scan(self, ep: UdpEndpoint, now: float) -> int:
+        """NACK where the DPU sees a gap: a worker missing from a (partition, round) that other
+        workers have delivered whole gets a STATUS naming it (it then resends its data), after
+        NACK_PARTIAL_S (some of its packets are in) or NACK_ABSENT_S (none), again every
+        NACK_REPEAT_S while it is missing. Returns the STATUS packets sent."""
+        found = self.backend.incomplete()
+        items, stuck = [], {}
+        for lp, rnd, w, partial in found:
+            key = (lp, rnd, w)
+            first = stuck[key] = self._stuck.get(key, now)
+            if w < len(self.host_ip) and \
+                    now - first >= (NACK_PARTIAL_S if partial else NACK_ABSENT_S) and \
+                    now - self._nacked.get(key, -1.0) > NACK_REPEAT_S:
+                self._nacked[key] = now
+                items.append((int(self.owned[lp]), rnd, w, [w]))
+        self._stuck = stuck
+        if items:
+            self.send_statuses(items, ep)
+        return len(items)
 
     def send_statuses(self, items: list, ep: UdpEndpoint) -> None:
         """STATUS packets for [(partition, round, worker, missing workers)], one sendmmsg."""
@@ -278,6 +310,7 @@ class DpuWorker:
         self.maps = None
         self.discover = discover
         self._static = {j.job_id for j in jobs}  # given at start: never dropped by discovery
+        self._next_scan = 0.0
         self._next_discover = 0.0
         self.jobs: dict[int, JobRuntime] = {}
         if mode == "xdp":
@@ -390,6 +423,13 @@ class DpuWorker:
             if comps:
                 self._on_completions(comps)
             timeout = min(timeout, 0.002)
+        now = time.monotonic()
+        if self.jobs and now >= self._next_scan:
+            self._next_scan = now + NACK_SCAN_S
+            for rt in list(self.jobs.values()):
+                self.stats["nack_sent"] += rt.nack_scan(self.ep, now)
+        if self.jobs:
+            timeout = min(timeout, NACK_SCAN_S)
         batch, src_ip, src_port = self.ep.recv(timeout)
         if len(batch):
             self.handle(batch, src_ip, src_port)
@@ -531,6 +571,20 @@ class UserspaceBackend:
 
     def __init__(self, state: MergeState):
         self.state = state
+
+    def incomplete(self) -> list[tuple[int, int, int, bool]]:
+        """Like XdpBackend.incomplete: (lp, round, worker, partial) of the workers missing from a
+        round of a partition that other workers have delivered whole."""
+        st = self.state
+        cand = np.argwhere((st.done_workers > 0) & (st.done_workers < st.workers))
+        out = []
+        for lp, par in cand.tolist():
+            b = int(st.base_round[lp])
+            rnd = b if (b & 1) == par else b + 1
+            t, d = st.totals[lp, par], st.delivered[lp, par]
+            for w in np.flatnonzero((t == 0) | (d < t)).tolist():
+                out.append((lp, rnd, w, bool(d[w] > 0)))
+        return out
 
     def is_next(self, lp, rnd):
         return rnd == int(self.state.base_round[lp]) + 1

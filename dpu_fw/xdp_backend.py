@@ -124,5 +124,30 @@ class XdpBackend:
             local = np.asarray(nonzero, np.int64) - int(self.owned[prev[0]]) * self.info.partition_size
         self.maps.advance(self.job_id, int(self.owned[lp]), rnd, local, job=self.info)
 
+    def incomplete(self) -> list[tuple[int, int, int, bool]]:
+        """(local partition, round, worker, partial) for every worker that has not delivered its
+        whole contribution to an occupant some other workers have delivered whole (the NACK scan,
+        dpu_worker.JobRuntime.nack_scan); partial: some of its packets are in."""
+        j = self.info
+        S, W = j.slots, j.workers
+        if not S:
+            return []
+        ps = self.maps.pstate[j.pstate_off:j.pstate_off + S]
+        done = ps["workers_done"].astype(np.int64)
+        cand = np.argwhere((done > 0) & (done < W))
+        if not len(cand):
+            return []
+        base = ps["base_gen"].astype(np.int64)
+        ws = self.maps.wstate[j.wstate_off:j.wstate_off + S * 2 * W].reshape(S, 2, W)
+        out = []
+        for s, par in cand.tolist():
+            g = int(base[s]) if (int(base[s]) & 1) == par else int(base[s]) + 1
+            p, rnd = j.occupant(s, g)
+            rec = ws["received"][s, par].astype(np.int64)
+            tot = ws["total"][s, par].astype(np.int64)
+            for w in np.flatnonzero((tot == 0) | (rec < tot)).tolist():
+                out.append((p // j.num_dpus, rnd, w, bool(rec[w] > 0)))
+        return out
+
     def flush(self) -> None:
         pass

@@ -403,9 +403,13 @@ class _Round:
         self.raw_count.append(hv["count"][res].astype(np.int64))
         was = self.done[p]
         self.done |= (self.res_total > 0) & (self.res_got >= self.res_total)
-        fresh = p[~was & self.done[p] & (self.tries[p] == 0) & ~self.resent[p]]
-        if len(fresh):  # one RTT sample per batch: the slowest partition that completed in it
-            self.c.rtt.sample(time.monotonic() - float(self.last_tx[fresh].min()))
+        # RTT samples (Karn): partitions done without any ask, resend or STATUS of ours: their
+        # time includes no recovery, ours or (as far as we saw) another host's; one per batch,
+        # the quickest, so other hosts' lateness inflates the timer as little as it can
+        fresh = p[~was & self.done[p] & (self.tries[p] == 0) & ~self.resent[p]
+                  & ~np.isfinite(self.status_at[p])]
+        if len(fresh):
+            self.c.rtt.sample(time.monotonic() - float(self.last_tx[fresh].max()))
         return True
 
     def _statuses(self, parsed) -> None:
@@ -437,9 +441,10 @@ class _Round:
         c = self.c
         backoff = 2.0 ** np.minimum(self.tries, 1)
         since = now - np.maximum(self.last_tx, last_progress)
-        # a visible gap (some of the partition's result packets are in, not all): ask sooner
+        # a visible gap (some of the partition's result packets are in, not all; they come back
+        # to back, so the rest is lost or reordered): ask after a reordering grace, not the RTO
         rto = c.rtt.rto
-        wait = np.where(self.res_got > 0, rto / 2, rto) * backoff
+        wait = np.where(self.res_got > 0, max(GAP_GRACE_S, rto / 8), rto) * backoff
         due = np.flatnonzero(self.sent & ~self.done & (since > wait))
         if not len(due):
             return
@@ -540,6 +545,8 @@ class _Round:
 
 #: seconds without progress after which a round asks its membership whether a member is gone
 STALL_CHECK_S = 0.5
+#: least wait before asking for the missing packets of a partial result (reordering grace)
+GAP_GRACE_S = 0.002
 
 
 class MissingWorkersError(DosaError):
