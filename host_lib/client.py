@@ -18,12 +18,12 @@ Loss recovery (docs/dpu_worker.md):
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import time
 
 import numpy as np
 
 from dosa import wire
+from dosa.env import RankEnv
 from dosa.errors import DosaError
 from dosa.job import JobConfig
 from dosa.net import addr_arrays, multicast_group
@@ -142,23 +142,21 @@ class AggregationClient:
     def from_env(cls, numel: int, **kw) -> "AggregationClient":
         """Join the job the DOSA_* environment names (``dosa testbed run`` sets it): the control
         plane at DOSA_CONTROL_ADDR:DOSA_CONTROL_PORT, or an explicit DOSA_JOB_CONFIG file."""
-        rank = int(os.environ.get("RANK", "0"))
-        if os.environ.get("DOSA_JOB_CONFIG"):
-            return cls(JobConfig.load(os.environ["DOSA_JOB_CONFIG"]), worker_id=rank, **kw)
-        addr, port = os.environ.get("DOSA_CONTROL_ADDR"), os.environ.get("DOSA_CONTROL_PORT")
-        if not addr or not port:
+        env = RankEnv.parse()
+        if env.job_config:
+            return cls(JobConfig.load(env.job_config), worker_id=env.rank, **kw)
+        if env.control is None:
             raise DosaError("no dosa job in the environment: set DOSA_CONTROL_ADDR/DOSA_CONTROL_PORT "
                             "or DOSA_JOB_CONFIG")
-        join = {"job_id": int(os.environ.get("DOSA_JOB_ID", "1")),
-                "workers": int(os.environ.get("WORLD_SIZE", "1"))}
-        if os.environ.get("DOSA_HOST_ADDR"):
-            join["address"] = os.environ["DOSA_HOST_ADDR"]
-        if os.environ.get("DOSA_PORT"):
-            join["port"] = int(os.environ["DOSA_PORT"])
-        if os.environ.get("DOSA_DPU_ADDRS"):
-            join["dpus"] = [a for a in os.environ["DOSA_DPU_ADDRS"].split(",") if a]
+        join = {"job_id": env.job_id or 1, "workers": env.world_size or 1}
+        if env.host_addr:
+            join["address"] = env.host_addr
+        if env.port:
+            join["port"] = env.port
+        if env.dpu_addrs:
+            join["dpus"] = env.dpu_addrs
         join.update(kw.pop("join", None) or {})
-        return cls(worker_id=rank, control=(addr, int(port)), numel=numel, join=join, **kw)
+        return cls(worker_id=env.rank, control=env.control, numel=numel, join=join, **kw)
 
     @property
     def stats(self) -> dict:
