@@ -9,7 +9,7 @@ import sys
 
 from dosa import wire
 from dosa.errors import DosaError
-from dosa.job import DEFAULT_SLOTS
+from dosa.job import DEFAULT_SLOTS, DPU_MODES
 
 
 def _instance(args) -> str:
@@ -116,7 +116,7 @@ def register(sub) -> None:
     v.add_argument("--addr", required=True, help="this DPU's IPv4 address (as jobs list their DPUs)")
     v.add_argument("--listen", type=_hostport, help="ADDR:PORT of the API (default: --addr:17800)")
     v.add_argument("--port", type=int, default=wire.DEFAULT_PORT, help="UDP data port of dosa")
-    v.add_argument("--mode", choices=("xdp", "userspace"), default="xdp")
+    v.add_argument("--mode", choices=DPU_MODES, default="xdp")
     v.add_argument("--xdp-mode", choices=("auto", "native", "skb"), default="auto")
     v.add_argument("--pool-slots", type=int, default=1 << 22)
     v.add_argument("--keep-state", action="store_true", help="leave the dataplane loaded on exit")

@@ -27,7 +27,7 @@ import numpy as np
 
 from dosa import wire
 from dosa.errors import DosaError
-from dosa.job import JobConfig
+from dosa.job import DPU_MODES, JobConfig
 from dosa.net import addr_arrays, multicast_group
 from dosa.wire import HEADER_DTYPE, Flags, PacketBatch, PacketType
 from host_lib.packetizer import packetize_partition_result, packetize_results, parse_batch
@@ -37,7 +37,6 @@ from . import _merge
 from .userspace import DUP_OF_COMPLETE, VERDICTS, MergeState, top_k_abs
 
 log = logging.getLogger("dosa.dpu")
-MODES = ("userspace", "xdp")
 #: Seconds during which a whole result is not sent to the same host again (see JobRuntime.answer):
 #: right after the fan-out the result is still on its way, and a host that asked before it arrived
 #: would otherwise double the DPU's send load exactly when it is busiest.
@@ -294,8 +293,8 @@ class DpuWorker:
                  instance: str | None = None, discover=None):
         """``discover``: optional ``f() -> [JobConfig]`` polled twice a second for jobs installed
         after start (XDP mode: the dataplane's maps; userspace: the control plane)."""
-        if mode not in MODES:
-            raise DosaError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode not in DPU_MODES:
+            raise DosaError(f"mode must be one of {DPU_MODES}, got {mode!r}")
         if bind is None:
             if not jobs:
                 raise DosaError("give the address to listen on, or a job config that names it")
