@@ -501,22 +501,22 @@ class _Round:
         if m.broken is not None:
             raise StaleJobError(f"allreduce round {c.round} of job {c.job.job_id} cannot complete: "
                                 f"{m.broken}")
-        got = m.problem()
-        if got is None:
+        gone = m.problem()
+        if gone is None:
             return
-        msg, who = got
         now = time.monotonic()
         stuck = np.flatnonzero(self.sent & ~self.done)
         fresh = [p for p in stuck.tolist() if now - self.status_at[p] < 1.0]
         waited = {w for p in fresh for w in self.missing.get(p, [])}
         # a member that is gone only matters if the DPU still waits for it (one that crashed or
         # left after delivering does not block this round; results may still be on their way)
-        named = sorted(set(who) & waited)
+        named = sorted(set(gone) & waited)
         if not named:
             return
         c.last_missing = {int(p): self.missing.get(int(p), []) for p in fresh}
         raise MissingWorkersError(
-            f"allreduce round {c.round} of job {c.job.job_id} stalled for {stalled:.1f} s: {msg}", named)
+            f"allreduce round {c.round} of job {c.job.job_id} stalled for {stalled:.1f} s: the DPU is "
+            f"still waiting for worker(s) {named}: " + "; ".join(gone[w] for w in named), named)
 
     def _fail(self):
         """Raise the round's timeout, naming the workers the DPUs reported missing recently (a

@@ -105,23 +105,16 @@ class Membership:
             self._stop.wait(self.interval)
 
     # ---------------------------------------------------------------------------- what rounds ask
-    def problem(self) -> tuple[str, list[int]] | None:
-        """(sentence, worker ids) naming members that are dead (no heartbeat for the server's
+    def problem(self) -> dict[int, str] | None:
+        """{worker id: sentence} of members that are dead (no heartbeat for the server's
         dead-after time) or have left, from a fresh heartbeat answer; None when all look alive."""
         if time.monotonic() - self.answered_at > FRESH_S:
             return None
-        dead = {w: m for w, m in self.members.items() if m.get("alive") is False}
-        left = [w for w in range(self.job.workers) if w not in self.members]
-        if not dead and not left:
-            return None
-        parts = []
-        if dead:
-            parts.append("; ".join(
-                f"worker {w} ({self._addr(w)}) is dead: no heartbeat for {m['heartbeat_age_s']:.1f} s"
-                for w, m in sorted(dead.items())))
-        if left:
-            parts.append(f"worker(s) {left} left the job")
-        return "; ".join(parts), sorted([*dead, *left])
+        out = {w: f"worker {w} ({self._addr(w)}) is dead: no heartbeat for {m['heartbeat_age_s']:.1f} s"
+               for w, m in self.members.items() if m.get("alive") is False}
+        out.update({w: f"worker {w} ({self._addr(w)}) left the job"
+                    for w in range(self.job.workers) if w not in self.members})
+        return out or None
 
     def _addr(self, w: int) -> str:
         h = self.job.hosts[w] if 0 <= w < len(self.job.hosts) else None
