@@ -26,6 +26,7 @@ from pathlib import Path
 from dosa.errors import DosaError
 
 from testbed import config, impair, ns, state
+from testbed.netlink import Netlink, netns_del
 from testbed.capture import CaptureStats, Tcpdump, WireFrames
 from testbed.config import BRIDGE, NODE_IFACE, Layout, Node
 from testbed.runner import RankSpec, RunResult, run_ranks
@@ -157,29 +158,31 @@ class Testbed:
 
     def _build(self, layout: Layout, shaping: Shaping, shape_dpus: bool,
                mtu: int = config.DEFAULT_MTU) -> None:
+        with Netlink() as nl:
+            self._build_links(nl, layout, shaping, shape_dpus, mtu)
+
+    def _build_links(self, nl: Netlink, layout: Layout, shaping: Shaping, shape_dpus: bool, mtu: int) -> None:
         fab = layout.fabric_ns
-        ns.ip("netns", "add", fab)
-        ns.ip("link", "set", "lo", "up", ns=fab)
+        nl.netns_add(fab)
+        nl.link_set(fab, "lo", up=True)
         if shaping.netem_args():
             impair.require_netem(fab)
         impair_obj = impair.build(shaping, self.run_dir) if shaping.needs_bpf_object else None
         # no STP (ports forward at once), no multicast snooping (multicast is flooded to all ports,
         # so a group works without IGMP queriers), no IPv6 link-local chatter in captures
-        ns.ip("link", "add", BRIDGE, "address", BRIDGE_MAC, "type", "bridge", "stp_state", "0", "forward_delay", "0",
-              "mcast_snooping", "0", ns=fab)
-        ns.ip("link", "set", BRIDGE, "addrgenmode", "none", ns=fab)
-        ns.ip("link", "set", BRIDGE, "up", ns=fab)
+        nl.bridge_add(fab, BRIDGE, BRIDGE_MAC)
+        nl.link_set(fab, BRIDGE, addrgenmode_none=True)
+        nl.link_set(fab, BRIDGE, up=True)
         for n in layout.nodes:
-            ns.ip("netns", "add", n.namespace)
-            ns.ip("link", "set", "lo", "up", ns=n.namespace)
-            ns.ip("link", "add", n.fabric_port, "address", n.fabric_mac, "type", "veth", "peer",
-                  "name", NODE_IFACE, "address", n.mac, "netns", n.namespace, ns=fab)
-            ns.ip("link", "set", n.fabric_port, "addrgenmode", "none", "mtu", str(mtu), ns=fab)
-            ns.ip("link", "set", n.fabric_port, "master", BRIDGE, "up", ns=fab)
-            ns.ip("link", "set", NODE_IFACE, "addrgenmode", "none", "mtu", str(mtu), ns=n.namespace)
-            ns.ip("addr", "add", f"{n.address}/{layout.prefixlen}", "dev", NODE_IFACE, ns=n.namespace)
-            ns.ip("link", "set", NODE_IFACE, "up", ns=n.namespace)
-            ns.ip("route", "add", config.MULTICAST_NET, "dev", NODE_IFACE, ns=n.namespace)
+            nl.netns_add(n.namespace)
+            nl.link_set(n.namespace, "lo", up=True)
+            nl.veth_add(fab, n.fabric_port, n.fabric_mac, NODE_IFACE, n.mac, n.namespace)
+            nl.link_set(fab, n.fabric_port, addrgenmode_none=True, mtu=mtu)
+            nl.link_set(fab, n.fabric_port, master=BRIDGE, up=True)
+            nl.link_set(n.namespace, NODE_IFACE, addrgenmode_none=True, mtu=mtu)
+            nl.addr_add(n.namespace, NODE_IFACE, f"{n.address}/{layout.prefixlen}")
+            nl.link_set(n.namespace, NODE_IFACE, up=True)
+            nl.route_add(n.namespace, config.MULTICAST_NET, NODE_IFACE)
             if shaping.needs_bpf_object:  # impair/reorder per packet, not per GSO datagram
                 impair.segment_at_node(n.namespace, NODE_IFACE)
             if n.role == "dpu":
@@ -196,8 +199,7 @@ class Testbed:
                 # a queue instead of veth's noqueue on the bridge's port towards the DPU: a burst
                 # bigger than the DPU's 256-slot XDP ring then waits (backpressure) instead of being
                 # dropped (measured: thousands of retransmissions a 25M-entry round without it)
-                ns.tc("qdisc", "replace", "dev", n.fabric_port, "root", "pfifo", "limit", "100000",
-                      ns=fab)
+                nl.qdisc_pfifo(fab, n.fabric_port, 100000)
 
     @staticmethod
     def _dpu_receive_on_dpu_cores(layout: Layout, dpu_cpus) -> list[int]:
@@ -298,7 +300,7 @@ class Testbed:
         for n in sorted(names, key=lambda x: x.endswith("-fab")):
             for p in ns.netns_pids(n):  # anything that slipped in since
                 ns.kill_all([(p, ns.proc_start_time(p))], grace=0.5)
-            ns.ip("netns", "del", n, check=False)
+            netns_del(n)
         left = [n for n in names if ns.netns_exists(n)]
         if left:
             raise DosaError(f"could not delete namespace(s) {', '.join(sorted(left))}")

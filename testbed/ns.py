@@ -1,6 +1,7 @@
 """Thin wrappers over ``ip``/``tc`` and /proc: run a command in a namespace, list namespaces and the
-processes inside them, kill processes safely. Shelling out to iproute2 (rather than pyroute2) keeps
-every step reproducible by hand: ``DOSA_TESTBED_TRACE=1`` prints each command."""
+processes inside them, kill processes safely. The topology steps pyroute2 serves run over netlink
+(testbed/netlink.py); the rest shell out to iproute2 here. Either way ``DOSA_TESTBED_TRACE=1``
+prints each step as the iproute2 command that replays it by hand."""
 from __future__ import annotations
 
 import json
@@ -64,18 +65,38 @@ def napi_threads() -> dict[int, str]:
     return out
 
 
+NETNS_DIR = "/run/netns"
+
+
 def list_netns() -> list[str]:
-    p = sh(["ip", "netns", "list"], check=False)
-    return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
+    """The named network namespaces (what ``ip netns list`` shows), without a process."""
+    try:
+        return sorted(os.listdir(NETNS_DIR))
+    except FileNotFoundError:
+        return []
 
 
 def netns_exists(name: str) -> bool:
-    return os.path.exists(f"/run/netns/{name}")
+    return os.path.exists(os.path.join(NETNS_DIR, name))
 
 
 def netns_pids(name: str) -> list[int]:
-    p = sh(["ip", "netns", "pids", name], check=False)
-    return [int(x) for x in p.stdout.split() if x.isdigit()]
+    """Processes in namespace ``name`` (what ``ip netns pids NAME`` shows), read from /proc: the
+    inode of /proc/PID/ns/net against the namespace's file, without a process."""
+    try:
+        want = os.stat(os.path.join(NETNS_DIR, name))
+    except OSError:
+        return []
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                st = os.stat(f"/proc/{d}/ns/net")
+            except OSError:
+                continue
+            if (st.st_ino, st.st_dev) == (want.st_ino, want.st_dev):
+                out.append(int(d))
+    return out
 
 
 def netns_cmd(ns: str | None, argv: list[str], cpus: list[int] | None = None) -> list[str]:
