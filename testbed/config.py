@@ -36,13 +36,12 @@ DPU_BASE = 200
 MAX_HOSTS = wire.MAX_WORKERS  # a host is a worker of the job: worker_id < MAX_WORKERS
 MAX_DPUS = 50
 DEFAULT_MASTER_PORT = 29500  # torchrun's default
-#: Link MTU (``up(mtu=)``, ``dosa testbed up --mtu``). Native XDP on a veth takes frames up to about
-#: one page minus headroom and skb_shared_info without multi-buffer: 3500 is measured to work
-#: (shared/design/PLATFORM.md). The default stays 1500 while dosa's packets are at most 1472 bytes:
-#: a larger MTU would speed up only the TCP baselines.
-DEFAULT_MTU = 1500
-MIN_MTU = 576
-MAX_MTU = 3500
+#: Link MTU (``up(mtu=)``, ``dosa testbed up --mtu``): by default the largest that works on the
+#: testbed's path, wire.MAX_MTU (native XDP on a veth takes frames up to about one page without
+#: multi-buffer; jobs on the testbed get the same MTU, so dosa's packets are as large as the links).
+DEFAULT_MTU = wire.MAX_MTU
+MIN_MTU = wire.MIN_MTU
+MAX_MTU = wire.MAX_MTU
 
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 
