@@ -165,13 +165,26 @@ def _run_job(tb, numel: int, args, out: Path) -> dict:
             "slots": ranks[0]["slots"], "num_partitions": ranks[0]["num_partitions"]}
 
 
+def _services(pool_entries: int):
+    """The testbed's DPU services with a pool of ``pool_entries`` (a comparison only: the point
+    of this benchmark is the default)."""
+    from testbed.services import ServiceSpec, dpu_services
+
+    def fn(ctx):
+        return [ServiceSpec(s.name, [*s.argv, "--pool-slots", str(pool_entries)], s.ready, s.env)
+                if s.name == "ctl" else s for s in dpu_services(ctx)]
+
+    return fn
+
+
 def run(args) -> dict:
     from testbed.core import Testbed
 
     if os.geteuid() != 0:
         raise DosaError("dosa bench bigjob needs root (it brings up a testbed)")
+    kw = {} if not args.pool_entries else {"services": _services(args.pool_entries)}
     tb = Testbed(prefix=f"bj{uuid.uuid4().hex[:5]}", subnet="10.231.98.0/24",
-                 state_dir=tempfile.mkdtemp(prefix="dosa-bigjob-state-"))
+                 state_dir=tempfile.mkdtemp(prefix="dosa-bigjob-state-"), **kw)
     out = Path(tempfile.mkdtemp(prefix="dosa-bigjob-"))
     tb.up(args.hosts, 1, mode="xdp")
     try:
@@ -190,7 +203,8 @@ def run(args) -> dict:
     by_numel = {v["numel"]: v for v in watch.seen.values()}
     doc = {"config": {"hosts": args.hosts, "dpus": 1, "numel": args.numel, "density": args.density,
                       "rounds": args.rounds, "slots": args.slots, "small_numel": args.small_numel,
-                      "dpu_memory": "testbed default (dosa ctl serve --pool-slots default)"},
+                      "dpu_memory": f"pool of {args.pool_entries} entries" if args.pool_entries
+                      else "testbed default (dosa ctl serve --pool-slots default)"},
            "pool_capacity": watch.capacity, "big": big, "small": small,
            "big_job_in_dataplane": by_numel.get(args.numel),
            "small_job_in_dataplane": by_numel.get(args.small_numel)}
@@ -210,7 +224,7 @@ def format_table(doc: dict) -> str:
              f"  host CPU per round      {big['host_cpu_s_per_round']} s",
              f"  partitions / slots      {big['num_partitions']} partitions through {big['slots']} slots"]
     if cap:
-        lines.append(f"  DPU pool (default)      {cap['pool']:,} s64 entries = {cap['pool'] * 8 / 2**20:.0f} MiB")
+        lines.append(f"  DPU pool                {cap['pool']:,} s64 entries = {cap['pool'] * 8 / 2**20:.0f} MiB")
     if dj:
         lines += [f"  job's DPU memory        {dj['pool_entries']:,} pool entries = "
                   f"{dj['pool_bytes'] / 2**20:.1f} MiB (+ {dj['state_bytes'] / 1024:.1f} KiB slot/worker state)",
@@ -234,6 +248,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--slots", type=int, default=DEFAULT_SLOTS, help="aggregation slots of the job")
+    p.add_argument("--pool-entries", type=int, default=0,
+                   help="DPU pool size in s64 entries (default 0: the testbed's default; for comparisons)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", metavar="FILE")
 

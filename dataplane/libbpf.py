@@ -42,6 +42,8 @@ _lib.ring_buffer__poll.argtypes = [ctypes.c_void_p, ctypes.c_int]
 _lib.ring_buffer__poll.restype = ctypes.c_int
 _lib.ring_buffer__consume.argtypes = [ctypes.c_void_p]
 _lib.ring_buffer__consume.restype = ctypes.c_int
+_lib.ring_buffer__epoll_fd.argtypes = [ctypes.c_void_p]
+_lib.ring_buffer__epoll_fd.restype = ctypes.c_int
 _lib.ring_buffer__free.argtypes = [ctypes.c_void_p]
 _lib.ring_buffer__free.restype = None
 
@@ -201,6 +203,10 @@ class RingBuffer:
 
     def consume(self) -> int:
         return _check(_lib.ring_buffer__consume(self._rb), "ring_buffer__consume")
+
+    def epoll_fd(self) -> int:
+        """An fd that polls readable while records wait (to wait on it next to sockets)."""
+        return _check(_lib.ring_buffer__epoll_fd(self._rb), "ring_buffer__epoll_fd")
 
     def close(self) -> None:
         if self._rb:

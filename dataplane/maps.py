@@ -227,6 +227,11 @@ class DataplaneMaps:
         out, self._pending = self._pending, []
         return out
 
+    def completion_fd(self) -> int:
+        """An fd that polls readable while completion events wait (select/poll it next to a
+        socket, then ``poll_completions(0)``)."""
+        return self._rb.epoll_fd()
+
     def job_info(self, job_id: int) -> JobInfo | None:
         s = layout.Job()
         if not libbpf.lookup(self._fds["jobs"], layout.U32(job_id), s):

@@ -311,6 +311,7 @@ class DpuWorker:
         self._static = {j.job_id for j in jobs}  # given at start: never dropped by discovery
         self._next_scan = 0.0
         self._next_discover = 0.0
+        self._xdp_poll = None  # XDP mode: waits on the completion ring and the socket at once
         self.jobs: dict[int, JobRuntime] = {}
         if mode == "xdp":
             from .xdp_backend import open_maps
@@ -418,10 +419,14 @@ class DpuWorker:
     def step(self, timeout: float) -> None:
         self._discover()
         if self.maps is not None:
+            # wait for a completion event or a packet, whichever comes first (at most 2 ms): a
+            # completion frees an aggregation slot every host's window may be waiting for, so it
+            # is taken at once rather than after a socket wait (docs/dataplane.md, *Slots*)
+            waited = self._wait_xdp(min(timeout, 0.002))
             comps = self.maps.poll_completions(0)
             if comps:
                 self._on_completions(comps)
-            timeout = min(timeout, 0.002)
+            timeout = 0.0 if waited else min(timeout, 0.002)
         now = time.monotonic()
         if self.jobs and now >= self._next_scan:
             self._next_scan = now + NACK_SCAN_S
@@ -432,6 +437,22 @@ class DpuWorker:
         batch, src_ip, src_port = self.ep.recv(timeout)
         if len(batch):
             self.handle(batch, src_ip, src_port)
+
+    def _wait_xdp(self, timeout: float) -> bool:
+        """Block until the ring buffer or the socket is readable or ``timeout`` passed; False when
+        the maps offer no pollable fd (then the caller waits in recv as before)."""
+        if self._xdp_poll is None:
+            fd = getattr(self.maps, "completion_fd", None)
+            if fd is None:
+                return False
+            import select
+
+            self._xdp_poll = select.poll()
+            for f in (fd(), self.ep.sock.fileno(),
+                      *([self.ep.msock.fileno()] if self.ep.msock is not None else [])):
+                self._xdp_poll.register(f, select.POLLIN)
+        self._xdp_poll.poll(max(1, int(timeout * 1000)))
+        return True
 
     def _on_completions(self, comps) -> None:
         """Completion events from the dataplane, grouped by job and handled in arrival order."""
