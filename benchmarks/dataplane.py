@@ -25,6 +25,7 @@ import numpy as np
 
 from dosa import wire
 from dosa.errors import DosaError
+from dosa.progress import track
 
 HOST_IP, DPU_IP = "10.78.0.1", "10.78.0.2"
 JOB_ID = 4242
@@ -190,7 +191,7 @@ def run(workers: int = 8, numel: int = 1 << 22, density: float = 0.05, rounds: i
 
         send_s = 0.0
         first_merged = first_entries = corrupt = resent = 0
-        for r in range(rounds):
+        for r in track(range(rounds), "dosa bench dataplane", unit="round"):
             rb = np.array([r], ">u4").view(np.uint8)
             for b in batches:
                 b.data[:, 16:20] = rb  # the round field of every header

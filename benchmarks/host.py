@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from dosa import wire
+from dosa.progress import track
 from host_lib.compress import topk_exact, topk_fast, target_k
 from host_lib.encoder import RoundEncoder
 from host_lib.packetizer import packetize, parse_batch
@@ -47,8 +48,7 @@ def _median_ms(fn, repeat: int, label: str):
     """Median wall-clock ms of ``fn`` (returned) and median CPU ms (kept in _CPU_MS[label]): on a
     shared machine CPU time is the steadier of the two, so both are reported."""
     times, cpu, result = [], [], None
-    for i in range(repeat):
-        print(f"  {label}: run {i + 1}/{repeat}", file=sys.stderr, flush=True)
+    for i in track(range(repeat), f"  {label}", unit="run"):
         t0, c0 = time.perf_counter(), time.process_time()
         result = fn()
         times.append((time.perf_counter() - t0) * 1e3)

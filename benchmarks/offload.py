@@ -16,6 +16,7 @@ import sys
 import time
 
 from dosa.errors import DosaError
+from dosa.progress import track
 
 DEFAULT_DATASET = "digits:size=64,channels=3"
 
@@ -90,7 +91,7 @@ def run(dataset: str = DEFAULT_DATASET, epochs: int = 3, rounds: int = 5, batch_
         kw = dict(dataset=dataset, model_spec=spec, batch_size=batch_size, seed=seed, lr=0.01)
         run_training(epochs=1, **kw)  # warm-up: caches, allocator, first-touch
         run_training(epochs=1, offload=svc, **kw)
-        for r in range(rounds):
+        for r in track(range(rounds), "dosa bench offload", unit="round"):
             order = ("host", "offload") if r % 2 == 0 else ("offload", "host")
             for mode in order:
                 before = sum(_cpu_seconds(p.pid) for p in svc.procs.values())

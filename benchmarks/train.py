@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from dosa.errors import DosaError
+from dosa.progress import progress
 
 METHODS = ("dosa_sum", "dosa_gtopk", "gloo_dense", "gloo_sparse_allgather", "powersgd")
 BLOCKING = "dosa_sum_blocking"
@@ -168,6 +169,7 @@ def run(args) -> dict:
         print(f"dosa bench train: testbed of {args.hosts} hosts, {args.dpus} DPU(s), links {args.link_rate}; "
               f"methods {', '.join(m for m, _ in runs)}", flush=True)
         with scratch_testbed(args.hosts, args.dpus, prefix=unique_prefix("tr"), link_rate=args.link_rate) as tb:
+            bar = progress(len(runs), "dosa bench train", unit="run")
             for i, (method, max_steps) in enumerate(runs):
                 out = Path(tmp) / f"{method}.json"
                 print(f"[{i + 1}/{len(runs)}] {method} ...", flush=True)
@@ -182,6 +184,8 @@ def run(args) -> dict:
                 print(f"    {method}: final accuracy {r['final_accuracy']:.2f}% after {r['steps']} steps, "
                       f"{r['train_seconds']:.1f} s training, {r['step_seconds_median'] * 1e3:.0f} ms/step, "
                       f"{r['bytes_per_step'] / 1e3:.0f} kB/step on rank 0's link", flush=True)
+                bar.update(1, status=method)
+            bar.close()
     blocking = records.pop(BLOCKING, None)
     result = summarize(records, blocking)
     result["config"] = {k: getattr(args, k) for k in ("hosts", "dpus", "link_rate", "epochs", "max_steps",

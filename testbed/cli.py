@@ -103,6 +103,7 @@ def _tb(args):
 
 def cmd_up(args) -> int:
     tb = _tb(args)
+    tb.progress = True  # a bar on a terminal, plain lines otherwise (dosa.progress)
     st = tb.up(args.hosts, args.dpus, link_rate=args.link_rate, delay=args.delay, loss=args.loss,
                dup=args.dup, reorder=args.reorder, shape_dpus=args.shape_dpus,
                cpu_split=args.cpu_split, mode=args.mode, services=not args.no_services,

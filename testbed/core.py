@@ -59,6 +59,8 @@ class Testbed:
         self.run_dir = config.run_dir(self.prefix, self.state_dir)
         self.pin_dir = config.pin_dir(self.prefix)
         self.services = services or _services_from_env() or dpu_services
+        #: show progress while ``up`` builds nodes and starts services (the CLI sets it; dosa.progress)
+        self.progress = False
 
     # ------------------------------------------------------------------ helpers
     def __repr__(self):
@@ -173,7 +175,7 @@ class Testbed:
         nl.bridge_add(fab, BRIDGE, BRIDGE_MAC)
         nl.link_set(fab, BRIDGE, addrgenmode_none=True)
         nl.link_set(fab, BRIDGE, up=True)
-        for n in layout.nodes:
+        for n in self._track(layout.nodes, "testbed up: nodes", "node"):
             nl.netns_add(n.namespace)
             nl.link_set(n.namespace, "lo", up=True)
             nl.veth_add(fab, n.fabric_port, n.fabric_mac, NODE_IFACE, n.mac, n.namespace)
@@ -239,13 +241,22 @@ class Testbed:
                              data_port=st["data_port"], control_port=st["control_port"])
             per_dpu.append((n, list(self.services(ctx))))
         depth = max((len(s) for _, s in per_dpu), default=0)
-        for k in range(depth):  # the k-th service of every DPU, then wait for all of them
+        # the k-th service of every DPU, then wait for all of them
+        for k in self._track(range(depth), "testbed up: DPU services", "service"):
             started = []
             for n, specs in per_dpu:
                 if k < len(specs):
                     started.append(self._spawn_service(n, specs[k], st))
             state.save(self.state_path, st)
             self._wait_ready(started, ready_timeout)
+
+    def _track(self, items, desc: str, unit: str):
+        """``items``, with a bar (terminal) or lines (log) when ``self.progress`` is set."""
+        if not self.progress:
+            return items
+        from dosa.progress import track
+
+        return track(items, desc, unit=unit)
 
     def _spawn_service(self, node: Node, spec: ServiceSpec, st: dict):
         log = self.run_dir / f"{node.name}-{spec.name}.log"

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from dosa.errors import DosaError
+from dosa.progress import progress as progress_bar
 from benchmarks.allreduce import baselines as B
 from benchmarks.allreduce import gradients as G
 from benchmarks.allreduce import limit as L
@@ -152,6 +153,12 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
     if "limit" in args.baselines and args.packet_rate_seconds > 0 and os.geteuid() != 0:
         say("not root: the packet rate is not measured (limit counts the link only)")
     runs = []
+    # one stage per host count and block of methods (the Gloo baselines, the link limit, dosa's paths)
+    blocks = bool([m for m in args.baselines if m in B.METHODS]) + ("limit" in args.baselines) \
+        + (extra_methods is not None)
+    bar = progress_bar(max(1, blocks) * len(args.hosts), "dosa bench allreduce", unit="stage")
+    if progress is None and bar.mode == "bar":
+        say = bar.note  # lines above the bar instead of through it
     for world in args.hosts:
         t0 = time.monotonic()
         pr = None
@@ -187,6 +194,7 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
             if gl:
                 methods.update(B.run_baselines(wd, gl, rounds=args.rounds, warmup=args.warmup,
                                                testbed=tb, timeout=args.timeout, progress=say))
+                bar.update(1, status=f"{world} hosts: baselines")
             if "limit" in args.baselines:
                 idx = [np.load(wd / f"idx{r}.npy") for r in range(world)]
                 mode = getattr(args, "mode", None) or "sum"  # dpu_fw's --mode: the result dosa sends
@@ -196,8 +204,10 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
                 traffic["mode"] = mode
                 methods["limit"] = L.link_limit(traffic, args.link_rate, shape_dpus=args.shape_dpus,
                                                 packet_rate=pr["pps"] if pr else None)
+                bar.update(1, status=f"{world} hosts: limit")
             if extra_methods is not None:
                 methods.update(extra_methods(world, wd, tb))
+                bar.update(1, status=f"{world} hosts: dosa")
         except RuntimeError as e:
             raise DosaError(str(e)) from None
         finally:
@@ -210,6 +220,7 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
                     say(f"  WARNING: {name} {ck}: result differs from the reference sum")
         runs.append({"hosts": world, "overlap": ov, "k": meta["k"], "methods": methods,
                      "elapsed_s": time.monotonic() - t0})
+    bar.close()
     config = {"hosts": args.hosts, "dpus": args.dpus, "numel": args.numel, "density": args.density,
               "correlation": None if loaded is not None or args.real_model else args.correlation,
               "gradients": args.gradients or (f"real MLP on digits, {args.real_model} steps"
