@@ -95,7 +95,7 @@ def flip_one_result_value(src: Path, dst: Path, prefer_gtopk: bool, skip=frozens
     index, old = int(ent["index"][i]), int(ent["value"][i])
     new = old + 1 if old > 0 else old - 1
     assert -2**31 <= new < 2**31
-    at = udp + 8 + wire.HDR_LEN + i * wire.SPARSE_ENTRY_LEN + 4
+    at = udp + 8 + wire.value_offset(h.count) + 4 * i  # the value block follows the u16 offsets
     assert struct.unpack(">i", buf[at:at + 4])[0] == old
     buf[at:at + 4] = struct.pack(">i", new)
     buf[udp + 6:udp + 8] = struct.pack(">H", _udp_checksum(buf, ip, udp))
