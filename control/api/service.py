@@ -77,6 +77,7 @@ class ControlService:
 
     # ----------------------------------------------------------------------------- fan-out to DPUs
     def _install_job(self, job: JobConfig) -> None:
+        gen = lifecycle.note_created(self, job.job_id)  # the same generation on every DPU
         """Install on every DPU (dataplane in XDP mode, registry in both modes); when one refuses,
         remove it from those that accepted (a job is on all its DPUs or on none)."""
         def undo(i, a):
@@ -86,7 +87,7 @@ class ControlService:
                 self.peers.call(a, "DELETE", f"/v1/local/jobs/{job.job_id}")
 
         self.peers.on_all_dpus(job, lambda i: self._install_job_here(job, i), "POST",
-                               "/v1/local/jobs", registry_body(job), undo)
+                               "/v1/local/jobs", dict(registry_body(job), generation=gen), undo)
 
     # ------------------------------------------------------------------------------------ requests
     def create_job(self, req: dict) -> dict:
@@ -99,7 +100,6 @@ class ControlService:
             self._install_job(job)
             with self._cv:
                 self.jobs[job.job_id] = job
-                lifecycle.note_created(self, job.job_id)
                 self._save()
                 return lifecycle.decorate(self, job.view())
 
@@ -131,7 +131,6 @@ class ControlService:
                 self._install_job(job)
                 with self._cv:
                     self.jobs[job_id] = job
-                    lifecycle.note_created(self, job_id)
                     self._save()
             else:
                 check_same_shape(job, req)
@@ -274,6 +273,8 @@ class ControlService:
         for w, h in parse_hosts(req.get("hosts") or [], job).items():
             job.hosts[w] = h
         self._install_job_here(job, idx)
+        if isinstance(req.get("generation"), int):  # the coordinating DPU's, so views agree
+            self.generations[job.job_id] = req["generation"]
         return {"installed": True, "dataplane": self.controller is not None}
 
     def local_install_flow(self, req: dict) -> dict:

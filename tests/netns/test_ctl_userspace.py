@@ -145,6 +145,6 @@ def test_two_dpu_userspace_gtopk_allreduce_on_a_testbed(tmp_path):
     for r in ranks:
         assert "error" not in r, (r, logs)
         assert r["rounds_checked"] == 3 and r["rounds_wrong"] == 0 and r["verified"], r
-    (v0,), (v1,) = views[0]["jobs"], views[1]["jobs"]
-    assert v1 == v0 and v1["density"] == 0.004 and v1["mode"] == "gtopk" and v1["complete"]
-    assert [d["address"] for d in v1["dpus"]] == [nodes["d0"], nodes["d1"]]
+    # DPU 1 learned the job's density from its registry: its partitions' k checked exact above. The
+    # hosts left when they were done: the job is released on both DPUs (docs/control.md)
+    assert views[0]["jobs"] == [] and views[1]["jobs"] == [], views
