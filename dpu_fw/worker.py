@@ -29,8 +29,9 @@ from dosa import wire
 from dosa.errors import DosaError
 from dosa.job import DPU_MODES, JobConfig
 from dosa.net import addr_arrays, multicast_group
-from dosa.wire import HEADER_DTYPE, Flags, PacketBatch, PacketType
-from host_lib.packetizer import packetize_partition_result, packetize_results, parse_batch
+from dosa.wire import Flags, PacketBatch, PacketType
+from host_lib.packetizer import (packetize_partition_result, packetize_results, packetize_status,
+                                 parse_batch)
 from host_lib.transport import UdpEndpoint
 
 from . import _merge
@@ -268,19 +269,8 @@ class JobRuntime:
     def send_statuses(self, items: list, ep: UdpEndpoint) -> None:
         """STATUS packets for [(partition, round, worker, missing workers)], one sendmmsg."""
         n = len(items)
-        b = PacketBatch.empty(n)
-        h = b.data.view(HEADER_DTYPE)[:, 0]
-        h["magic"], h["version"], h["type"] = wire.MAGIC, wire.VERSION, PacketType.STATUS
-        h["job_id"], h["worker_id"], h["total"] = self.job.job_id, wire.DPU_SENDER_ID, 1
-        h["partition"] = [it[0] for it in items]
-        h["round"] = [it[1] for it in items]
-        counts = np.array([len(it[3]) for it in items], np.int64)
-        h["count"] = counts
-        b.lengths[:] = wire.HDR_LEN + wire.STATUS_ENTRY_LEN * counts
-        for i, it in enumerate(items):
-            if it[3]:
-                b.data[i, wire.HDR_LEN:wire.HDR_LEN + 4 * len(it[3])] = \
-                    np.asarray(it[3], ">u4").view(np.uint8)
+        b = packetize_status([it[0] for it in items], [it[1] for it in items], [it[3] for it in items],
+                             job_id=self.job.job_id)
         w = np.array([it[2] for it in items], np.int64)
         ep.send(b, np.arange(n), self.host_ip[w], self.host_port[w])
 

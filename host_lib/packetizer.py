@@ -337,6 +337,32 @@ def packetize_control(ptype: int, partitions, *, job_id: int, worker_id: int, ro
     return batch
 
 
+def packetize_status(partitions, rounds, missing: list, *, job_id: int) -> PacketBatch:
+    """STATUS packets (DPU -> host): packet i says which workers the DPU still waits for in
+    (``rounds[i]``, ``partitions[i]``); ``missing[i]`` is that list of worker ids (may be empty)."""
+    parts = np.asarray(partitions, np.int64).reshape(-1)
+    rnds = np.asarray(rounds, np.int64).reshape(-1)
+    if len(rnds) != len(parts) or len(missing) != len(parts):
+        raise ValueError("packetize_status: one round and one missing list per partition")
+    _check_header_args(job_id=job_id, worker_id=DPU_SENDER_ID, round=0, scale_exp=0, flags=0)
+    counts = np.array([len(m) for m in missing], np.int64)
+    per = wire.entries_per_packet(PacketType.STATUS)
+    if len(counts) and counts.max() > per:
+        raise ValueError(f"packetize_status: at most {per} missing workers a packet")
+    batch = PacketBatch.empty(len(parts))
+    hdr = batch.data.view(HEADER_DTYPE)[:, 0]
+    hdr["magic"], hdr["version"], hdr["type"] = wire.MAGIC, wire.VERSION, PacketType.STATUS
+    hdr["job_id"], hdr["worker_id"], hdr["total"] = job_id, DPU_SENDER_ID, 1
+    hdr["partition"], hdr["round"], hdr["count"] = parts, rnds, counts
+    batch.lengths[:] = wire.payload_length(PacketType.STATUS, counts)
+    if counts.sum():
+        ids = np.concatenate([np.asarray(m, np.int64) for m in missing if len(m)])
+        row = np.repeat(np.arange(len(parts)), counts)
+        pos = np.arange(len(ids)) - np.repeat(np.cumsum(counts) - counts, counts)
+        batch.data.reshape(-1).view(">u4")[(row * batch.stride + HDR_LEN) // 4 + pos] = ids
+    return batch
+
+
 # --------------------------------------------------------------------------------------------------
 # Parsing
 # --------------------------------------------------------------------------------------------------

@@ -249,3 +249,15 @@ def test_vectorized_validation_agrees_with_wire(byte, value, length_delta, ptype
         with pytest.raises(expected, match="^packet 1:"):
             parse_batch(b)
         assert parse_batch(b, on_error="drop").dropped == 1
+
+
+def test_status_packets_parse_back():
+    from host_lib.packetizer import packetize_status
+
+    b = packetize_status([3, 0, 7], [5, 5, 6], [[1, 2], [], [63]], job_id=9)
+    p = parse_batch(b)
+    assert list(p.headers["type"]) == [PacketType.STATUS] * 3
+    assert list(p.headers["partition"]) == [3, 0, 7] and list(p.headers["round"]) == [5, 5, 6]
+    assert [p.indices[p.offsets[i]:p.offsets[i + 1]].tolist() for i in range(3)] == [[1, 2], [], [63]]
+    for i in range(3):
+        wire.parse_packet(b.packet(i))  # and dosa.wire agrees
