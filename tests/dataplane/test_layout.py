@@ -48,3 +48,16 @@ def test_numpy_views_match_ctypes():
         assert layout.PSTATE_DTYPE.fields[name][1] == getattr(layout.PState, name).offset
     for name, _ in layout.WState._fields_:
         assert layout.WSTATE_DTYPE.fields[name][1] == getattr(layout.WState, name).offset
+
+
+def test_job_info_is_the_job_layout_table():
+    """dataplane.maps.JobInfo (the jobs map entry as a Python type) has exactly the fields of the one
+    layout table of struct dosa_job (layout.Job), in order, plus the key: a field added to one and not
+    the other fails here, and to_struct / from_struct convert through that table."""
+    from dataclasses import fields
+
+    from dataplane.maps import JobInfo
+
+    assert [f.name for f in fields(JobInfo)] == ["job_id"] + [n for n, _ in layout.Job._fields_]
+    j = JobInfo(**{f.name: i + 1 for i, f in enumerate(fields(JobInfo))})
+    assert JobInfo.from_struct(j.job_id, j.to_struct()) == j
