@@ -158,7 +158,10 @@ def run(workers: int = 8, numel: int = 1 << 22, density: float = 0.05, rounds: i
         ctl.attach("eth0", netns=lab.d, mode=xdp_mode,
                    config=LoadConfig(pool_slots=slots, pstate_slots=max(64, pmap.num_partitions),
                                      wstate_slots=max(1024, 2 * pmap.num_partitions * workers)))
-        ctl.add_job(JOB_ID, workers=workers, numel=numel, partition_size=partition_size)
+        # whole rounds are offered at once (the merge rate is measured, not a host's window), so
+        # every partition gets its own aggregation slot (docs/dataplane.md, *Slots*)
+        ctl.add_job(JOB_ID, workers=workers, numel=numel, partition_size=partition_size,
+                    slots=pmap.num_partitions)
         for w in range(workers):
             port = 41000 + w
             eps.append(run_in_netns(lab.h, UdpEndpoint, (HOST_IP, port)))
