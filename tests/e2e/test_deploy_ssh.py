@@ -20,7 +20,7 @@ from testbed import deploy, ns
 from testbed.sshd import SshLab
 from testbed.testing import scratch_testbed
 
-pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 # `make setup` minus what would install the same packages into the same place a second time: the
