@@ -29,7 +29,8 @@ METHODS = ("dosa_sum", "dosa_gtopk", "gloo_dense", "gloo_sparse_allgather", "pow
 BLOCKING = "dosa_sum_blocking"
 #: The configuration of the issue's targets (docs/training.md, "dosa bench train").
 DEFAULTS = dict(hosts=4, dpus=1, link_rate="100mbit", epochs=12, batch_size=32, size=16, lr=0.05,
-                density=0.01, momentum=0.9, warmup_steps=0, eval_every=4, blocking_steps=30)
+                density=0.01, momentum=0.9, warmup_steps=0, eval_every=4, blocking_steps=30,
+                result_density=0.02)
 
 
 def add_arguments(p) -> None:
@@ -48,6 +49,9 @@ def add_arguments(p) -> None:
                    help="SGD momentum (dense, powersgd) = DGC momentum correction (sparse methods)")
     p.add_argument("--warmup-steps", type=int, default=d["warmup_steps"],
                    help="dense steps before the dosa methods sparsify")
+    p.add_argument("--result-density", type=float, default=d["result_density"],
+                   help="the dosa jobs' density: in gtopk mode the DPU returns this fraction of each "
+                        f"partition (default {d['result_density']}: 2x what a host sends; 0: --density)")
     p.add_argument("--eval-every", type=int, default=d["eval_every"], help="steps between test evaluations")
     p.add_argument("--blocking-steps", type=int, default=d["blocking_steps"],
                    help="steps of the no-overlap dosa_sum run (0: skip the overlap measurement)")
@@ -151,6 +155,7 @@ def _worker_argv(args, method: str, out: Path, max_steps: int) -> list[str]:
             "--epochs", str(args.epochs), "--max-steps", str(max_steps), "--batch-size", str(args.batch_size),
             "--size", str(args.size), "--lr", str(args.lr), "--density", str(args.density),
             "--momentum", str(args.momentum), "--warmup-steps", str(args.warmup_steps),
+            "--result-density", str(args.result_density),
             "--eval-every", str(args.eval_every)]
 
 
@@ -190,7 +195,7 @@ def run(args) -> dict:
     result = summarize(records, blocking)
     result["config"] = {k: getattr(args, k) for k in ("hosts", "dpus", "link_rate", "epochs", "max_steps",
                                                        "batch_size", "size", "lr", "density", "momentum",
-                                                       "warmup_steps", "eval_every")}
+                                                       "warmup_steps", "result_density", "eval_every")}
     result["dense_comm_fraction"] = dense_comm_fraction(result, link_bps, args.hosts)
     result["elapsed_s"] = round(time.monotonic() - t0, 1)
     return result

@@ -137,7 +137,7 @@ def make_hook(method: str, ddp: DDP, args) -> object:
     if method in ("dosa_sum", "dosa_gtopk"):
         from host_lib.torch_hook import DosaHookState, dosa_hook
 
-        opts = {"mode": method.split("_")[1], "density": args.density}
+        opts = {"mode": method.split("_")[1], "density": args.result_density or args.density}
         if args.partition_size:
             opts["partition_size"] = args.partition_size
         state = DosaHookState(density=args.density, momentum=args.momentum, fallback=False,
@@ -180,6 +180,8 @@ def main(argv=None) -> None:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--warmup-steps", type=int, default=0)
+    ap.add_argument("--result-density", type=float, default=0.0,
+                    help="the job's density: gtopk returns that fraction of each partition (0: --density)")
     ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--partition-size", type=int, default=0)
     ap.add_argument("--powersgd-rank", type=int, default=2)

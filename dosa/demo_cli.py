@@ -29,6 +29,10 @@ def register(sub) -> None:
     p.add_argument("--offload-batch-size", type=int, default=DemoConfig.offload_batch_size,
                    help="per host")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the training runs")
+    p.add_argument("--tta-methods", default=DemoConfig.tta_methods,
+                   help="testbed only: methods of the time-to-accuracy run after the comparison "
+                        "(dosa bench train at demo size; '' skips it)")
+    p.add_argument("--tta-epochs", type=int, default=DemoConfig.tta_epochs)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_demo)
 
@@ -40,7 +44,8 @@ def cmd_demo(args) -> int:
                      batch_size=args.batch_size, warmup_steps=args.warmup_steps, seed=args.seed,
                      out=args.out, backend=args.backend, mode=args.mode, offload=args.offload,
                      timeout=args.timeout, offload_dataset=args.offload_dataset,
-                     offload_epochs=args.offload_epochs, offload_batch_size=args.offload_batch_size)
+                     offload_epochs=args.offload_epochs, offload_batch_size=args.offload_batch_size,
+                     tta_methods=args.tta_methods, tta_epochs=args.tta_epochs)
     summary = run_demo(cfg, echo=(lambda line: None) if args.json else print)
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "runs"}
@@ -48,6 +53,8 @@ def cmd_demo(args) -> int:
                                      for c, r in summary["runs"].items()}}, indent=1))
     else:
         print(format_report(summary))
+        if summary.get("time_to_accuracy"):
+            print(f"wrote {summary['time_to_accuracy']['plot']} (accuracy against wall time)")
         print(f"wrote {args.out}/demo.json" + (f" and {summary['plot']}" if summary["plot"] else
                                                 " (no plot: install the `plot` extra)"))
     return 0 if summary["within_target"] else 1

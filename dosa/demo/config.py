@@ -37,6 +37,10 @@ class DemoConfig:
     offload_dataset: str = "digits:size=32,channels=3"
     offload_epochs: int = 5
     offload_batch_size: int = 32
+    #: after the comparison (testbed only): time to accuracy of a 1M-parameter CNN on shaped links,
+    #: benchmarks/train.py at demo size (these methods, this many epochs); empty: skip
+    tta_methods: str = "dosa_sum,gloo_dense"
+    tta_epochs: int = 12
 
     def __post_init__(self):
         if not 2 <= self.hosts <= 64:

@@ -99,11 +99,17 @@ def format_report(s: dict) -> str:
     hooks = [h for h in (s["runs"]["dosa"].get("hook") or []) if h and h.get("dosa_rounds")]
     if hooks:
         per = lambda key: sum(h[key] / h["dosa_rounds"] for h in hooks) / len(hooks) * 1e3  # noqa: E731
-        rows.append(f"dosa hook per step: {per('dosa_seconds'):.2f} ms, of which {per('allreduce_seconds'):.2f} ms "
-                    f"in the network round; mean density {hooks[0]['mean_density']:.4f}, "
+        rows.append(f"dosa hook per step: {per('hook_seconds'):.2f} ms blocking backward "
+                    f"({hooks[0]['overlapped_rounds']} of {hooks[0]['dosa_rounds']} rounds overlapped); "
+                    f"mean density {hooks[0]['mean_density']:.4f}, "
                     f"{sum(h['retransmissions'] for h in hooks)} retransmissions (all hosts)")
     d = s["runs"]["dosa"]
     rows.append(f"bytes: dosa = {d['bytes_method']}; dense = {s['runs']['dense']['bytes_method']}")
     if s.get("offload"):
         rows.extend(offload_report(s["offload"]))
+    if s.get("time_to_accuracy"):
+        from benchmarks.train import format_table
+
+        rows.append("time to accuracy, CNN on a communication-bound link (dosa bench train at demo size):")
+        rows.extend("  " + line for line in format_table(s["time_to_accuracy"]).splitlines())
     return "\n".join(rows)

@@ -18,6 +18,25 @@ from .offload import run_offload_comparison
 from .report import plot_losses, summarize
 
 
+def run_time_to_accuracy(cfg: DemoConfig, out: Path, echo: Callable[[str], None]) -> dict:
+    """The same story on a communication-bound job: ``dosa bench train`` (benchmarks/train.py) at
+    demo size on its own testbed; writes time_to_accuracy.png."""
+    import argparse
+
+    from benchmarks import train
+
+    args = argparse.Namespace(**{**train.DEFAULTS, "hosts": cfg.hosts, "dpus": 1, "max_steps": 0,
+                                 "epochs": cfg.tta_epochs, "methods": cfg.tta_methods, "blocking_steps": 0,
+                                 "timeout": cfg.timeout, "seed": cfg.seed})
+    echo(f"time to accuracy on a communication-bound job: dosa bench train at demo size "
+         f"({cfg.tta_methods}, {cfg.tta_epochs} epochs)")
+    result = train.run(args)
+    png = out / "time_to_accuracy.png"
+    train.plot(result, str(png))
+    result["plot"] = str(png)
+    return result
+
+
 def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     """Run the demo; returns (and writes to ``cfg.out``/demo.json) the summary."""
     out = Path(cfg.out)
@@ -26,7 +45,7 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     echo(f"dosa demo: {cfg.hosts} hosts, {cfg.dpus} DPU(s), density {cfg.density:g}, {cfg.mode} mode, "
          f"{cfg.epochs} epochs, MLP with {cfg.numel} parameters on scikit-learn digits; "
          f"backend {backend} ({why})" + ("; with --offload" if cfg.offload else ""))
-    for stale in ("demo.json", "loss.png"):  # never leave a previous run's results looking current
+    for stale in ("demo.json", "loss.png", "time_to_accuracy.png"):  # never leave a previous run's results looking current
         (out / stale).unlink(missing_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="dosa-demo-", dir=out))
     echo(f"logs in {workdir}")
@@ -68,6 +87,8 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
                                         if dosa["bytes_per_step"] else math.inf),
         "runs": runs, "dpu_stats": dpu_stats, "offload": offload,
     }
+    if backend == "testbed" and cfg.tta_methods:
+        summary["time_to_accuracy"] = run_time_to_accuracy(cfg, out, echo)
     (out / "demo.json").write_text(json.dumps(summary, indent=1))
     plotted = plot_losses(runs, out / "loss.png",
                           f"DDP on digits, {cfg.hosts} hosts: dosa at density {cfg.density:g} vs dense Gloo")

@@ -21,13 +21,13 @@ def _namespaces(prefix: str) -> list[str]:
 
 @pytest.mark.root
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_demo_on_the_testbed_trains_through_the_xdp_dataplane_and_tears_down(tmp_path):
     from testbed.testing import force_cleanup, unique_prefix
 
     prefix = unique_prefix("dm")
     cfg = DemoConfig(hosts=4, dpus=1, epochs=2, backend="testbed", out=str(tmp_path), timeout=240,
-                     testbed_prefix=prefix)
+                     testbed_prefix=prefix, tta_epochs=1)
     try:
         s = run_demo(cfg, echo=lambda line: None)
         assert _namespaces(prefix) == [], "the demo left namespaces behind"
@@ -44,6 +44,11 @@ def test_demo_on_the_testbed_trains_through_the_xdp_dataplane_and_tears_down(tmp
     assert d0.get("attachments"), d0
     assert sum(d0["outcomes"].values()) > 0, d0
     assert json.loads((tmp_path / "demo.json").read_text())["backend"] == "testbed"
+    # the time-to-accuracy story: both methods trained a full epoch on the shaped testbed, plotted
+    tta = s["time_to_accuracy"]
+    assert set(tta["methods"]) == {"dosa_sum", "gloo_dense"}
+    assert all(m["steps"] > 0 and m["curve"] for m in tta["methods"].values())
+    assert (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000
 
 
 @pytest.mark.root
