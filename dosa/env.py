@@ -7,6 +7,7 @@ variable               meaning
 RANK, WORLD_SIZE       this rank, the number of workers (torchrun's)
 DOSA_JOB_ID            the job to join
 DOSA_HOST_ADDR         this host's address (the one it sends from and gets results on)
+DOSA_IFACE             its interface (the Gloo baselines bind to it)
 DOSA_PORT              the job's UDP port (hosts and DPUs)
 DOSA_DPU_ADDRS         comma list of the DPUs' addresses (a first joiner creates the job with them)
 DOSA_CONTROL_ADDR/PORT the control plane to join through
@@ -40,10 +41,11 @@ def _int(env, name: str, default=None):
 
 @dataclass
 class RankEnv:
-    rank: int = 0
+    rank: int | None = 0  #: None in an environment made for torchrun, which sets RANK itself
     world_size: int | None = None
     job_id: int | None = None
     host_addr: str | None = None
+    iface: str | None = None
     port: int | None = None
     dpu_addrs: list | None = None
     control: tuple[str, int] | None = None
@@ -56,6 +58,7 @@ class RankEnv:
         dpus = env.get("DOSA_DPU_ADDRS")
         return cls(rank=_int(env, "RANK", 0), world_size=_int(env, "WORLD_SIZE"),
                    job_id=_int(env, "DOSA_JOB_ID"), host_addr=env.get("DOSA_HOST_ADDR") or None,
+                   iface=env.get("DOSA_IFACE") or None,
                    port=_int(env, "DOSA_PORT"),
                    dpu_addrs=[a for a in dpus.split(",") if a] if dpus else None,
                    control=(addr, cport) if addr and cport else None,
@@ -63,9 +66,9 @@ class RankEnv:
 
     def to_env(self) -> dict[str, str]:
         """The variables that :meth:`parse` reads back as this (unset fields left out)."""
-        out = {"RANK": str(self.rank)}
-        for name, v in (("WORLD_SIZE", self.world_size), ("DOSA_JOB_ID", self.job_id),
-                        ("DOSA_HOST_ADDR", self.host_addr), ("DOSA_PORT", self.port),
+        out = {}
+        for name, v in (("RANK", self.rank), ("WORLD_SIZE", self.world_size), ("DOSA_JOB_ID", self.job_id),
+                        ("DOSA_HOST_ADDR", self.host_addr), ("DOSA_IFACE", self.iface), ("DOSA_PORT", self.port),
                         ("DOSA_JOB_CONFIG", self.job_config)):
             if v is not None:
                 out[name] = str(v)

@@ -19,6 +19,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from dosa.env import RankEnv
 from dosa.errors import DosaError
 
 from testbed.services import CONTROL_PORT, DATA_PORT, DpuContext, dpu_services
@@ -280,9 +281,8 @@ def plan(inv: Inventory, stop_only: bool = False) -> list[Step]:
 def host_env(inv: Inventory, rank: int) -> dict[str, str]:
     """The DOSA_* variables a training process on host ``rank`` needs (see docs/testbed.md)."""
     h = inv.hosts[rank]
-    return {"DOSA_HOST_ADDR": h.addr, "DOSA_IFACE": h.iface, "DOSA_PORT": str(inv.data_port),
-            "DOSA_DPU_ADDRS": ",".join(d.addr for d in inv.dpus),
-            "DOSA_CONTROL_ADDR": inv.dpus[0].addr, "DOSA_CONTROL_PORT": str(inv.control_port)}
+    return RankEnv(rank=None, host_addr=h.addr, iface=h.iface, port=inv.data_port,
+                   dpu_addrs=[d.addr for d in inv.dpus], control=(inv.dpus[0].addr, inv.control_port)).to_env()
 
 
 def execute(steps: list[Step], echo=print) -> None:

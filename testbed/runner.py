@@ -26,7 +26,7 @@ KILL_GRACE_S = 3.0
 @dataclass
 class RankSpec:
     rank: int
-    namespace: str
+    namespace: str | None  #: None: this machine's own namespace
     env: dict
     cpus: list[int] | None = None
     argv: list[str] | None = None  #: this rank's own command (e.g. its torchrun agent); default: run_ranks'
