@@ -4,6 +4,8 @@ unset arguments from the rank's DOSA_* environment). Stdlib HTTP only: every lay
 from __future__ import annotations
 
 import json
+import logging
+import time
 import urllib.error
 import urllib.request
 
@@ -43,13 +45,29 @@ def request(control, method: str, path: str, body: dict | None = None, timeout: 
 
 def join_raw(control, job_id: int, address: str, port: int | None = None, worker_id: int | None = None,
              wait: float = 60.0, **job_shape) -> dict:
-    """POST /v1/join and return the response dict (see the module doc)."""
-    body = {"job_id": job_id, "address": address, "wait": wait, **job_shape}
-    if port is not None:
-        body["port"] = port
-    if worker_id is not None:
-        body["worker_id"] = worker_id
-    return request(control, "POST", "/v1/join", body, timeout=wait + 10)
+    """POST /v1/join and return the response dict (see the module doc).
+
+    A 503 means a DPU has no room for the job's aggregation slots until other jobs end
+    (docs/dataplane.md, *Slots*): the join is retried every second, with one log line, until
+    ``wait`` runs out; then the DPU's sentence (which names the jobs in the way) is the error."""
+    deadline = time.monotonic() + wait
+    said = False
+    while True:
+        left = max(0.0, deadline - time.monotonic())
+        body = {"job_id": job_id, "address": address, "wait": left, **job_shape}
+        if port is not None:
+            body["port"] = port
+        if worker_id is not None:
+            body["worker_id"] = worker_id
+        try:
+            return request(control, "POST", "/v1/join", body, timeout=left + 10)
+        except DosaError as e:
+            if getattr(e, "status", None) != 503 or deadline - time.monotonic() < 1.0:
+                raise
+            if not said:
+                logging.getLogger("dosa.host").warning("%s; waiting up to %.0f s", e, left)
+                said = True
+            time.sleep(1.0)
 
 
 def join(control, worker_id: int | None = None, numel: int | None = None, *, job_id: int | None = None,

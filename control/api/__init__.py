@@ -22,8 +22,9 @@ Endpoints (request and response bodies are JSON objects)::
                                                                    (server to server: this DPU only)
 
 Errors are ``{"error": "<one sentence>"}`` with 400 (malformed), 404 (unknown job), 409 (conflict:
-rank taken, job full, shape differs), 504 (not every worker joined within ``wait``), 507 (the
-dataplane's pools are full).
+rank taken, job full, shape differs), 504 (not every worker joined within ``wait``), 507 (the job
+can never fit a DPU's dataplane), 503 (it fits once other jobs end: a joiner retries within its
+``wait``, see dosa.join.join_raw).
 
 The package by job: ``validation`` (request fields -> one-sentence 400s), ``job`` (the registry's
 job and its JSON view), ``persistence`` (the registry on disk), ``peers`` (fan-out to the other DPUs,

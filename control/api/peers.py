@@ -40,7 +40,7 @@ class Peers:
                         self.call(a, method, path, dict(body or {}, dpu_index=i))
                     except DosaError as e:
                         st = getattr(e, "status", 502)
-                        raise ApiError(st if st in (409, 507) else 502, f"DPU {i} ({a}) refused: {e}") from None
+                        raise ApiError(st if st in (409, 503, 507) else 502, f"DPU {i} ({a}) refused: {e}") from None
                 done.append((i, a))
         except ApiError:
             for i, a in reversed(done if undo is not None else []):

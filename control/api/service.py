@@ -244,7 +244,8 @@ class ControlService:
                                             dpu_index=dpu_index, scale_exp=job.scale_exp, mode=job.mode,
                                             port=job.port, slots=job.slots)
                 except AdmissionError as e:
-                    raise ApiError(507, str(e)) from None
+                    # 507: can never fit this DPU; 503: fits once other jobs end (joiners retry)
+                    raise ApiError(507 if e.permanent else 503, str(e)) from None
                 except DosaError as e:
                     raise ApiError(409, str(e)) from None
             self.jobs[job.job_id] = job

@@ -76,6 +76,9 @@ def main() -> int:
     ap.add_argument("--float-check", action="store_true",
                     help="also run float allreduce rounds (density 1) and check the quantization bound")
     a = ap.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
     res = {"worker": a.worker_id, "rounds_ok": 0, "mismatches": []}
     t0 = time.monotonic()
     try:
