@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from dosa.errors import DosaError
+from dosa.progress import progress
 
 from .clusters import LoopbackCluster, TestbedCluster
 from .config import TARGET_POINTS, DemoConfig, choose_backend
@@ -42,6 +43,10 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     backend, why = choose_backend(cfg.backend)
+    # stages: cluster up, training, [offload], tear down
+    bar = progress(3 + bool(cfg.offload), "dosa demo", unit="stage")
+    if echo is print and bar.mode == "bar":
+        echo = bar.note  # lines above the bar instead of through it
     echo(f"dosa demo: {cfg.hosts} hosts, {cfg.dpus} DPU(s), density {cfg.density:g}, {cfg.mode} mode, "
          f"{cfg.epochs} epochs, MLP with {cfg.numel} parameters on scikit-learn digits; "
          f"backend {backend} ({why})" + ("; with --offload" if cfg.offload else ""))
@@ -67,14 +72,20 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
         echo("starting userspace DPU worker(s) on loopback")
         cluster = LoopbackCluster(cfg.hosts, cfg.dpus, cfg.numel, workdir, cfg.density, echo=echo,
                                   partition_size=cfg.partition_size, mode=cfg.mode).__enter__()
+    bar.update(1, status="cluster up")
     try:
         echo("training: dosa run first, then dense Gloo (same seed, data, initial weights)")
         cluster.run(cfg.train_argv(json_tmpl), timeout=cfg.timeout)
+        bar.update(1, status="trained")
         dpu_stats = cluster.dpu_stats()
         offload = run_offload_comparison(cluster, cfg, workdir, echo) if cfg.offload else None
+        if cfg.offload:
+            bar.update(1, status="offload compared")
         echo("tearing down")
     finally:
         cluster.__exit__(None, None, None)
+    bar.update(1, status="torn down")
+    bar.close()
     echo("torn down")
     runs = summarize([Path(json_tmpl.replace("{rank}", str(r))) for r in range(cfg.hosts)])
     dosa, dense = runs["dosa"], runs["dense"]
