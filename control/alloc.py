@@ -76,6 +76,10 @@ class SlotDemand:
         return {"pool": 2 * self.stride, "pstate": 1, "wstate": 2 * self.workers}[pool]
 
 
+def _slots(n: int) -> str:
+    return f"{n} slot" + ("" if n == 1 else "s")
+
+
 def _mib(entries: int) -> str:
     return f"{entries * 8 / 2**20:.1f} MiB"
 
@@ -103,12 +107,12 @@ def admit(demand: SlotDemand, used: dict[str, list[tuple[int, int, int]]],
             fit = min(capacity[p] // demand.per_slot(p) for p in ("pool", "pstate", "wstate"))
             raise AdmissionError(
                 f"{head}, but the dataplane has only {capacity[name]} in all, so it can never fit: "
-                + (f"ask for at most {fit} slots (the job's 'slots'), " if fit else "")
+                + (f"ask for at most {_slots(fit)} (the job's 'slots'), " if fit else "")
                 + "use a smaller partition_size, or attach the dataplane with a bigger pool", permanent=True)
         holders = sorted({j for _, n, j in used[name] if n > 0})
         fit = largest // per
         raise AdmissionError(
             f"{head}, but the largest free region has {largest} (of {capacity[name]}; jobs "
             f"{holders} hold the rest): it fits once one of them ends; retry then"
-            + (f", or ask for at most {fit} slots" if fit else ""))
+            + (f", or ask for at most {_slots(fit)}" if fit else ""))
     return out
