@@ -43,8 +43,9 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     backend, why = choose_backend(cfg.backend)
-    # stages: cluster up, training, [offload], tear down
-    bar = progress(3 + bool(cfg.offload), "dosa demo", unit="stage")
+    # stages: cluster up, training, [offload], tear down, [time to accuracy]
+    bar = progress(3 + bool(cfg.offload) + bool(backend == "testbed" and cfg.tta_methods), "dosa demo",
+                   unit="stage")
     if echo is print and bar.mode == "bar":
         echo = bar.note  # lines above the bar instead of through it
     echo(f"dosa demo: {cfg.hosts} hosts, {cfg.dpus} DPU(s), density {cfg.density:g}, {cfg.mode} mode, "
@@ -85,7 +86,6 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     finally:
         cluster.__exit__(None, None, None)
     bar.update(1, status="torn down")
-    bar.close()
     echo("torn down")
     runs = summarize([Path(json_tmpl.replace("{rank}", str(r))) for r in range(cfg.hosts)])
     dosa, dense = runs["dosa"], runs["dense"]
@@ -100,6 +100,8 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     }
     if backend == "testbed" and cfg.tta_methods:
         summary["time_to_accuracy"] = run_time_to_accuracy(cfg, out, echo)
+        bar.update(1, status="time to accuracy")
+    bar.close()
     (out / "demo.json").write_text(json.dumps(summary, indent=1))
     plotted = plot_losses(runs, out / "loss.png",
                           f"DDP on digits, {cfg.hosts} hosts: dosa at density {cfg.density:g} vs dense Gloo")
