@@ -23,7 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from dosa.env import RankEnv
 from dosa.errors import DosaError
+from dosa.job import DPU_MODES
 
 from testbed import config, impair, ns, state
 from testbed.netlink import Netlink, netns_del
@@ -34,7 +36,6 @@ from testbed.services import CONTROL_PORT, DATA_PORT, DpuContext, ServiceSpec, d
 from testbed.shaping import Shaping
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-MODES = ("xdp", "userspace")
 BRIDGE_MAC = "02:d0:5a:80:00:00"
 
 
@@ -117,8 +118,8 @@ class Testbed:
                             "frame native XDP takes on a veth without multi-buffer)")
         layout = Layout(self.prefix, hosts, dpus, self.subnet)
         shaping = Shaping.parse(link_rate, delay, loss, dup, reorder)
-        if mode not in MODES:
-            raise DosaError(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
+        if mode not in DPU_MODES:
+            raise DosaError(f"--mode must be one of {', '.join(DPU_MODES)}, not {mode!r}")
         host_cpus, dpu_cpus = split_cpus() if cpu_split else (None, None)
         found = self.existing_namespaces()
         if found or self.state_path.exists():
@@ -380,15 +381,13 @@ class Testbed:
         hosts, dpus = lay.host_nodes, lay.dpu_nodes
         if not 0 <= rank < len(hosts):
             raise DosaError(f"rank {rank} is outside 0..{len(hosts) - 1}")
-        env = {"RANK": rank, "WORLD_SIZE": len(hosts), "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1,
-               "GROUP_RANK": rank, "ROLE_RANK": rank, "ROLE_WORLD_SIZE": len(hosts),
-               "MASTER_ADDR": hosts[0].address, "MASTER_PORT": master_port,
-               "DOSA_TESTBED": self.prefix, "DOSA_HOST_ADDR": hosts[rank].address,
-               "DOSA_IFACE": NODE_IFACE, "DOSA_PORT": st["data_port"],
-               "DOSA_DPU_ADDRS": ",".join(d.address for d in dpus),
-               "DOSA_JOB_ID": job_id if job_id is not None else st.get("next_job_id", 1)}
-        if dpus:
-            env.update(DOSA_CONTROL_ADDR=dpus[0].address, DOSA_CONTROL_PORT=st["control_port"])
+        dosa_env = RankEnv(rank=rank, world_size=len(hosts), host_addr=hosts[rank].address, iface=NODE_IFACE,
+                           job_id=job_id if job_id is not None else st.get("next_job_id", 1),
+                           port=st["data_port"], dpu_addrs=[d.address for d in dpus],
+                           control=(dpus[0].address, st["control_port"]) if dpus else None)
+        env = {"LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "GROUP_RANK": rank, "ROLE_RANK": rank,
+               "ROLE_WORLD_SIZE": len(hosts), "MASTER_ADDR": hosts[0].address, "MASTER_PORT": master_port,
+               "DOSA_TESTBED": self.prefix, **dosa_env.to_env()}
         return {k: str(v) for k, v in env.items()}
 
     def run(self, argv: list[str], timeout: float | None = None, env: dict | None = None,
