@@ -1,4 +1,4 @@
-"""``dosa demo``: see dosa/demo.py."""
+"""``dosa demo``: see dosa/demo/ (its __init__ says what runs)."""
 from __future__ import annotations
 
 import json
