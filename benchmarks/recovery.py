@@ -87,8 +87,10 @@ def _rank(a) -> dict:
                 else:
                     res["mismatches"] += 1
             res["stats"] = c.stats
-            res["rto_ms"] = 1e3 * c.rtt.rto
-            res["srtt_ms"] = None if c.rtt.srtt is None else 1e3 * c.rtt.srtt
+            rtt = getattr(c, "rtt", None)  # (a client before host_lib/rto.py has none)
+            if rtt is not None:
+                res["rto_ms"] = 1e3 * rtt.rto
+                res["srtt_ms"] = None if rtt.srtt is None else 1e3 * rtt.srtt
     except MissingWorkersError as e:
         res.update(error=str(e), missing=e.missing, error_at=time.monotonic())
     except DosaError as e:

@@ -53,6 +53,7 @@ NACK_SCAN_S = 0.002
 NACK_PARTIAL_S = 0.002
 NACK_ABSENT_S = 0.03
 NACK_REPEAT_S = 0.03
+NACK_REPEAT_PARTIAL_S = 0.01
 #: Completed partitions whose results are built and sent per sendmmsg batch: results then flow to the
 #: hosts while the rest are built (a host seeing no progress for its retransmission interval asks again).
 EMIT_CHUNK = 32
@@ -258,7 +259,7 @@ class JobRuntime:
             first = stuck[key] = self._stuck.get(key, now)
             if w < len(self.host_ip) and \
                     now - first >= (NACK_PARTIAL_S if partial else NACK_ABSENT_S) and \
-                    now - self._nacked.get(key, -1.0) > NACK_REPEAT_S:
+                    now - self._nacked.get(key, -1.0) > (NACK_REPEAT_PARTIAL_S if partial else NACK_REPEAT_S):
                 self._nacked[key] = now
                 items.append((int(self.owned[lp]), rnd, w, [w]))
         self._stuck = stuck

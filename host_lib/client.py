@@ -421,7 +421,7 @@ class _Round:
             self.status_at[p] = time.monotonic()
             self.unanswered[p] = 0
             if self.c.worker_id in ws and not self.done[p] and self.sent[p] and \
-                    time.monotonic() - self.last_resend[p] > self.c.rtt.rto / 2:
+                    time.monotonic() - self.last_resend[p] > GAP_GRACE_S:  # the DPU paces NACKs
                 need.append(p)
         if need:  # the DPU lacks (part of) our contribution: it was lost, resend it
             self._resend_data(np.unique(need))
@@ -441,8 +441,9 @@ class _Round:
         since = now - np.maximum(self.last_tx, last_progress)
         # a visible gap (some of the partition's result packets are in, not all; they come back
         # to back, so the rest is lost or reordered): ask after a reordering grace, not the RTO
+        # (the grace doubles per try, up to 16x: a lost request or answer is asked again soon)
         rto = c.rtt.rto
-        wait = np.where(self.res_got > 0, max(GAP_GRACE_S, rto / 8), rto) * backoff
+        wait = np.where(self.res_got > 0, GAP_GRACE_S * 2.0 ** np.minimum(self.tries, 4), rto * backoff)
         due = np.flatnonzero(self.sent & ~self.done & (since > wait))
         if not len(due):
             return
