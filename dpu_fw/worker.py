@@ -45,6 +45,9 @@ ANSWER_GUARD = 0.1
 #: Seconds during which a missing worker is not NACKed again for the same (partition, round): one
 #: NACK per asker's timer would make it resend its contribution once per other host.
 NACK_GUARD = 0.002
+#: Seconds after a fan-out during which an explicit ask for the whole result is not answered: the
+#: result is still on its way (a host starved of CPU asks before it has read it).
+ASK_GUARD = 0.02
 #: The NACK scan (JobRuntime.nack_scan): how often, and how long a worker may lag behind the others
 #: of a (partition, round) before it is told: its packets come back to back, so one whose first
 #: packets are in and the rest not for NACK_PARTIAL_S lost them; one with none in may just be slow
@@ -228,9 +231,15 @@ class JobRuntime:
             now = time.monotonic()
             key = (lp, rnd, worker)
             # a data duplicate is answered once per ANSWER_GUARD; an explicit ask (RETX_REQUEST,
-            # count 0) comes once per the host's measured RTO and is answered unless it is a burst
-            guard = ANSWER_GUARD if seqs is None else NACK_GUARD
-            if now - max(self._answered.get(key, -1.0), self._emitted.get((lp, rnd), -1.0)) < guard:
+            # count 0) comes once per the host's measured RTO: it is answered unless it repeats
+            # within NACK_GUARD or comes within ASK_GUARD of the fan-out (the result is on its way)
+            if seqs is None:
+                suppress = now - max(self._answered.get(key, -1.0),
+                                     self._emitted.get((lp, rnd), -1.0)) < ANSWER_GUARD
+            else:
+                suppress = now - self._answered.get(key, -1.0) < NACK_GUARD or \
+                    now - self._emitted.get((lp, rnd), -1.0) < ASK_GUARD
+            if suppress:
                 return "answer_suppressed"
             if len(self._answered) > 65536:
                 self._answered.clear()
