@@ -442,8 +442,17 @@ class _Round:
         # a visible gap (some of the partition's result packets are in, not all; they come back
         # to back, so the rest is lost or reordered): ask after a reordering grace, not the RTO
         # (the grace doubles per try, up to 16x: a lost request or answer is asked again soon)
+        # a partition with no result while a later one of its DPU is done has a visible gap too:
+        # every host sends in partition order, so its (one-packet) result was most likely lost
         rto = c.rtt.rto
-        wait = np.where(self.res_got > 0, GAP_GRACE_S * 2.0 ** np.minimum(self.tries, 4), rto * backoff)
+        later_done = np.zeros(self.P, bool)
+        if getattr(self, "_by_owner", None) is None:
+            self._by_owner = [np.flatnonzero(self.owner == d) for d in np.unique(self.owner).tolist()]
+        for own in self._by_owner:
+            done_rev = np.logical_or.accumulate(self.done[own][::-1])[::-1]
+            later_done[own[:-1]] = done_rev[1:]
+        gap = (self.res_got > 0) | later_done
+        wait = np.where(gap, GAP_GRACE_S * 2.0 ** np.minimum(self.tries, 4), rto * backoff)
         due = np.flatnonzero(self.sent & ~self.done & (since > wait))
         if not len(due):
             return
