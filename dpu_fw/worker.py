@@ -54,7 +54,7 @@ ASK_GUARD = 0.02
 #: (hosts start a round tens of ms apart on a loaded machine): it is told only after NACK_ABSENT_S.
 NACK_SCAN_S = 0.002
 NACK_PARTIAL_S = 0.002
-NACK_ABSENT_S = 0.03
+NACK_ABSENT_S = 0.01
 NACK_REPEAT_S = 0.03
 NACK_REPEAT_PARTIAL_S = 0.01
 #: Completed partitions whose results are built and sent per sendmmsg batch: results then flow to the

@@ -451,6 +451,8 @@ class _Round:
         for own in self._by_owner:
             done_rev = np.logical_or.accumulate(self.done[own][::-1])[::-1]
             later_done[own[:-1]] = done_rev[1:]
+            # the DPU's last partition has no later one: the gap shows when all before it are done
+            later_done[own[-1]] = len(own) > 1 and self.done[own[:-1]].all()
         gap = (self.res_got > 0) | later_done
         wait = np.where(gap, GAP_GRACE_S * 2.0 ** np.minimum(self.tries, 4), rto * backoff)
         due = np.flatnonzero(self.sent & ~self.done & (since > wait))
