@@ -297,7 +297,7 @@ class _Round:
         while not self.done.all():
             self._fill_window()
             t = c._phase("send", t)
-            b, sip, _ = c.ep.recv(min(c.rtt.rto / 2, 0.02))
+            b, sip, _ = c.ep.recv(min(c.rtt.rto / 2, GAP_GRACE_S))  # wake for the gap grace's timers
             t = c._phase("receive", t)
             if len(b) and self._absorb(b, sip):
                 last_progress = time.monotonic()
