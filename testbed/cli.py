@@ -67,6 +67,16 @@ def register(sub) -> None:
     _run_args(cap)
     cap.set_defaults(func=cmd_capture)
 
+    rs = tsub.add_parser("restart", parents=[common],
+                         help="restart a DPU's worker (or control plane) and record the new process",
+                         description="Kill the recorded process of the service, start the same command "
+                                     "again in the DPU's namespace, wait until it is ready; `status` "
+                                     "then reports the new pid as alive (docs/testbed.md).")
+    rs.add_argument("node", help="the DPU, e.g. d0")
+    rs.add_argument("--service", choices=("dpu", "ctl"), default="dpu",
+                    help="dpu: the DPU worker (default); ctl: the control plane")
+    rs.set_defaults(func=cmd_restart)
+
     ex = tsub.add_parser("exec", parents=[common], help="run a command inside one node (h0, d0, fab)")
     ex.add_argument("node")
     ex.add_argument("cmd", nargs=argparse.REMAINDER)
@@ -145,7 +155,8 @@ def _print_status(st: dict) -> None:
                                    if [q for q in i["qdiscs"] if q != "noqueue"] else "")
                       for i in fab["interfaces"]))
     for p in st["processes"]:
-        print(f"  {p['name']:10} pid {p['pid']:<7} {'alive' if p['alive'] else 'DEAD'}  log {p['log']}")
+        again = f" (restarted {p['restarts']}x)" if p.get("restarts") else ""
+        print(f"  {p['name']:10} pid {p['pid']:<7} {'alive' if p['alive'] else 'DEAD'}{again}  log {p['log']}")
 
 
 def _shaping_line(sh: dict, shape_dpus: bool) -> str:
@@ -196,9 +207,22 @@ def cmd_capture(args) -> int:
 
 def cmd_exec(args) -> int:
     tb = _tb(args)
-    tb._require_state()
-    p = tb.exec_in(args.node, _cmd(args), capture=False)
+    st = tb._require_state()
+    env = {}
+    dpus = {n.name: n for n in tb.layout(st).dpu_nodes}
+    if args.node in dpus:  # `dosa ctl ...` inside a DPU finds its dataplane and control plane
+        env["DOSA_PIN_DIR"] = str(tb.pin_dir / dpus[args.node].name)
+        env["DOSA_CONTROL"] = f"{dpus[args.node].address}:{st['control_port']}"
+    p = tb.exec_in(args.node, _cmd(args), capture=False, env=env)
     return p.returncode
+
+
+def cmd_restart(args) -> int:
+    from testbed.restart import restart_service
+
+    rec = restart_service(_tb(args), args.node, args.service)
+    print(f"dosa: restarted {rec['name']}: pid {rec['pid']} (restart {rec['restarts']}), log {rec['log']}")
+    return 0
 
 
 def cmd_deploy(args) -> int:

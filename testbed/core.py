@@ -354,7 +354,8 @@ class Testbed:
         fab = st["fabric_ns"]
         fab_exists = ns.netns_exists(fab)
         procs = [{**{k: r[k] for k in ("name", "node", "namespace", "pid", "argv", "log")},
-                  "alive": ns.alive(r["pid"], r.get("start_time"))} for r in st["processes"]]
+                  "alive": ns.alive(r["pid"], r.get("start_time")),
+                  "restarts": r.get("restarts", 0)} for r in st["processes"]]
         cfg = {k: st[k] for k in ("hosts", "dpus", "subnet", "shaping", "shape_dpus", "cpu_split",
                                   "host_cpus", "dpu_cpus", "mode", "services", "data_port",
                                   "control_port")}
