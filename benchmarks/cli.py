@@ -16,9 +16,9 @@ def register_bench(bench_sub) -> None:
     _register_dataplane(bench_sub)
     _register_allreduce(bench_sub)
     _register_offload(bench_sub)
-    _register_train(bench_sub)
     _register_bigjob(bench_sub)
     _register_recovery(bench_sub)
+    _register_train(bench_sub)
 
 
 # --- dosa bench recovery -----------------------------------------------------------------------

@@ -94,6 +94,9 @@ def _run_args(p) -> None:
     p.add_argument("--log-dir", default=None, help="where rank<i>.out/.err go (default under /tmp)")
     p.add_argument("--master-port", type=int, default=config.DEFAULT_MASTER_PORT)
     p.add_argument("--quiet", action="store_true", help="do not echo the ranks' output")
+    p.add_argument("--torchrun", action="store_true",
+                   help="start one real torchrun agent per host (c10d rendezvous over the fabric); "
+                        "the command is then SCRIPT ARGS")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
 
 
@@ -184,7 +187,7 @@ def cmd_down(args) -> int:
 
 def cmd_run(args) -> int:
     res = _tb(args).run(_cmd(args), timeout=args.timeout, log_dir=args.log_dir,
-                        echo=not args.quiet, master_port=args.master_port)
+                        echo=not args.quiet, master_port=args.master_port, torchrun=args.torchrun)
     return _report_run(res)
 
 
@@ -199,7 +202,7 @@ def cmd_capture(args) -> int:
     flt = args.filter.split() if args.filter else None
     stats, res = _tb(args).capture(args.out, _cmd(args), timeout=args.timeout, bpf_filter=flt,
                                    log_dir=args.log_dir, echo=not args.quiet,
-                                   master_port=args.master_port)
+                                   master_port=args.master_port, torchrun=args.torchrun)
     drops = f", {stats.dropped_by_kernel} dropped by the kernel" if stats.dropped_by_kernel else ""
     print(f"dosa: captured {stats.packets} packets to {stats.path}{drops}")
     return _report_run(res)

@@ -31,7 +31,7 @@ from testbed import config, impair, ns, state
 from testbed.netlink import Netlink, netns_del
 from testbed.capture import CaptureStats, Tcpdump, WireFrames
 from testbed.config import BRIDGE, NODE_IFACE, Layout, Node
-from testbed.runner import RankSpec, RunResult, run_ranks
+from testbed.runner import RankSpec, RunResult, run_ranks, torchrun_argv
 from testbed.services import CONTROL_PORT, DATA_PORT, DpuContext, ServiceSpec, dpu_services
 from testbed.shaping import Shaping
 
@@ -393,9 +393,11 @@ class Testbed:
 
     def run(self, argv: list[str], timeout: float | None = None, env: dict | None = None,
             log_dir: str | os.PathLike | None = None, echo=True,
-            master_port: int = config.DEFAULT_MASTER_PORT) -> RunResult:
+            master_port: int = config.DEFAULT_MASTER_PORT, torchrun: bool = False) -> RunResult:
         """Run ``argv`` in every host namespace concurrently (rank i in ``<prefix>-h<i>``); see
-        testbed.runner. ``env`` adds to every rank's environment."""
+        testbed.runner. ``env`` adds to every rank's environment. ``torchrun``: start one real
+        torchrun agent per host instead (c10d rendezvous at the first host's ``master_port``;
+        ``argv`` is then ``SCRIPT ARGS``), which sets the torch variables itself."""
         st = self._require_state()
         job_id = int(st.get("next_job_id", 1))
         st["next_job_id"] = job_id % (2**32 - 1) + 1
@@ -418,7 +420,12 @@ class Testbed:
                 if var not in os.environ:
                     e[var] = NODE_IFACE
             e.update({k: str(v) for k, v in (env or {}).items()})
-            specs.append(RankSpec(node.index, node.namespace, e, st["host_cpus"]))
+            own = None
+            if torchrun:
+                own = torchrun_argv(list(argv), nnodes=len(lay.host_nodes), rdzv_id=job_id,
+                                    rdzv_endpoint=f"{lay.host_nodes[0].address}:{master_port}",
+                                    local_addr=node.address, is_host=node.index == 0)
+            specs.append(RankSpec(node.index, node.namespace, e, st["host_cpus"], own))
         return run_ranks(specs, list(argv), Path(log_dir), timeout=timeout, echo=echo)
 
     def capture(self, out: str | os.PathLike, argv: list[str], timeout: float | None = None,
