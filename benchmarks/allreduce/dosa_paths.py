@@ -16,7 +16,8 @@ each round after a barrier, every round checked against the exact sum of what th
 skips it).
 
 Knobs for experiments (environment, reaching hosts and DPU services): ``DOSA_MULTICAST=0`` (unicast
-fan-out), ``DOSA_BENCH_WINDOW=N`` (partitions in flight a host),
+fan-out), ``DOSA_BENCH_WINDOW=N`` (partitions in flight a host), ``DOSA_BENCH_SLOTS=N`` (the job's
+aggregation slots per DPU: its window on the DPU),
 ``DOSA_BENCH_PROFILE=DIR`` (a CPU-time cProfile of each host's rounds, ``DIR/rank<r>.prof``).
 
 JSON layout (``--json``)::
@@ -376,6 +377,8 @@ def host_main(argv=None) -> int:
     ap.add_argument("--retx-interval", type=float, default=0.25)
     ap.add_argument("--window", type=int, default=int(os.environ.get("DOSA_BENCH_WINDOW", "256")))
     ap.add_argument("--mtu", type=int, default=None, help="the job's MTU (the testbed links')")
+    ap.add_argument("--slots", type=int, default=int(os.environ.get("DOSA_BENCH_SLOTS", "0")) or None,
+                    help="the job's aggregation slots per DPU (default: the job default)")
     a = ap.parse_args(argv)
     from host_lib.client import AggregationClient
 
@@ -392,6 +395,7 @@ def host_main(argv=None) -> int:
                                         window=a.window,
                                         join={"mode": a.mode, "density": a.density,
                                               **({"mtu": a.mtu} if a.mtu else {}),
+                                              **({"slots": a.slots} if a.slots else {}),
                                               "scale_exp": int(scale), "wait": 120}) as c:
             rec["multicast"] = c.multicast_group is not None
             prof = None
