@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from dosa.errors import DosaError
+from dosa.progress import progress
 
 JOB_SEED = 11
 
@@ -186,17 +187,27 @@ def run(args) -> dict:
     tb = Testbed(prefix=f"bj{uuid.uuid4().hex[:5]}", subnet="10.231.98.0/24",
                  state_dir=tempfile.mkdtemp(prefix="dosa-bigjob-state-"), **kw)
     out = Path(tempfile.mkdtemp(prefix="dosa-bigjob-"))
+    bar = progress(3 if args.small_numel else 2, "dosa bench bigjob", unit="stage", every=0)
+    bar.note("testbed up ...")
     tb.up(args.hosts, 1, mode="xdp")
+    bar.update(1, status="testbed up")
     try:
         watch = _JobWatch(str(tb.pin_dir / "d0"))
         watch.start()
         try:
-            small = _run_job(tb, args.small_numel, args, out / "small") if args.small_numel else None
+            small = None
+            if args.small_numel:
+                bar.note(f"job of {args.small_numel:,} entries ...")
+                small = _run_job(tb, args.small_numel, args, out / "small")
+                bar.update(1, status=f"{args.small_numel:,} entries")
+            bar.note(f"job of {args.numel:,} entries ...")
             big = _run_job(tb, args.numel, args, out / "big")
+            bar.update(1, status=f"{args.numel:,} entries")
         finally:
             watch.stop.set()
             watch.join(5)
     finally:
+        bar.close()
         tb.down()
     if watch.error:
         raise DosaError(f"cannot read the dataplane's job entries: {watch.error}")
@@ -229,7 +240,8 @@ def format_table(doc: dict) -> str:
         lines += [f"  job's DPU memory        {dj['pool_entries']:,} pool entries = "
                   f"{dj['pool_bytes'] / 2**20:.1f} MiB (+ {dj['state_bytes'] / 1024:.1f} KiB slot/worker state)",
                   f"  one pair per partition  {dj['per_partition_layout_pool_entries']:,} entries = "
-                  f"{dj['per_partition_layout_pool_entries'] * 8 / 2**20:.0f} MiB (would not fit)"]
+                  f"{dj['per_partition_layout_pool_entries'] * 8 / 2**20:.0f} MiB"
+                  + (" (would not fit)" if cap and dj['per_partition_layout_pool_entries'] > cap['pool'] else "")]
     s = doc.get("small")
     if s:
         lines.append(f"  small job ({s['numel']:,})    median {s['median_round_s'] * 1e3:.0f} ms, "

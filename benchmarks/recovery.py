@@ -187,17 +187,25 @@ def _summarise(name, shaping, ranks, kill_at) -> dict:
 
 def run(hosts: int = 4, numel: int = 200_000, density: float = 0.01, rounds: int = 30,
         scenarios=None, kill: bool = True, timeout: float = 10.0, mode: str = "xdp") -> dict:
+    from dosa.progress import progress
+
     names = list(scenarios or SCENARIOS)
     res = {"hosts": hosts, "numel": numel, "density": density, "mode": mode, "scenarios": []}
+    bar = progress(len(names) + bool(kill), "dosa bench recovery", unit="scenario", every=0)
     for n in names:
+        bar.note(f"scenario {n} ...")
         res["scenarios"].append(_scenario(n, SCENARIOS[n], hosts, numel, density, rounds, timeout,
                                           mode=mode))
+        bar.update(1, status=n)
     base = next((s for s in res["scenarios"] if s["scenario"] == "clean"), None)
     for s in res["scenarios"]:
         if base and s.get("median_ms") and base.get("median_ms"):
             s["ratio_to_clean"] = s["median_ms"] / base["median_ms"]
     if kill:
+        bar.note("scenario kill (a host killed mid-run) ...")
         res["kill"] = _scenario("kill", {}, hosts, numel, density, 4, timeout, kill_at=3, mode=mode)
+        bar.update(1, status="kill")
+    bar.close()
     return res
 
 
