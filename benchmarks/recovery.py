@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dosa.job import DPU_MODES
+
 SCENARIOS = {
     "clean": {},
     "loss5_dup1_reorder5": {"loss": "5", "dup": "1", "reorder": "5"},
@@ -217,7 +219,7 @@ def add_arguments(p) -> None:
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help=f"comma-separated, of {', '.join(SCENARIOS)} (clean is the baseline)")
     p.add_argument("--no-kill", action="store_true", help="skip the killed-host scenario")
-    p.add_argument("--mode", choices=("xdp", "userspace"), default="xdp", help="DPU dataplane")
+    p.add_argument("--mode", choices=DPU_MODES, default="xdp", help="DPU dataplane")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dosa.job import DEFAULT_SCALE_EXP
 from host_lib.compress import target_k
 from host_lib.encoder import RoundEncoder
 from host_lib.hook_codec import next_scale_exp
@@ -83,7 +84,8 @@ class SparseAllgatherState:
     selected fixed-point entries of every rank are allgathered (padded to the selector's bound) and
     summed locally; the scale follows the dosa rule from the previous step's sums."""
 
-    def __init__(self, density: float, momentum: float, scale_exp: int = 20, headroom: float = 2.0):
+    def __init__(self, density: float, momentum: float, scale_exp: int = DEFAULT_SCALE_EXP,
+                 headroom: float = 2.0):
         self.density, self.momentum, self.headroom = density, momentum, headroom
         self.scale_exp = scale_exp
         self.encoders: dict[int, RoundEncoder] = {}

@@ -28,13 +28,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from dosa.errors import DosaError
+from dosa.job import RESULT_MODES
 
 from . import layout, libbpf, loader, reasons
 
 
-MODE_SUM = 0  # exact sums of every index any worker sent
-MODE_GTOPK = 1  # results carry only the k largest sums (the DPU worker applies it)
-MODES = {"sum": MODE_SUM, "gtopk": MODE_GTOPK}  # names as in dosa.job.JobConfig.mode
+#: a job's result mode as the jobs map stores it: its index in dosa.job.RESULT_MODES
+MODES = {name: code for code, name in enumerate(RESULT_MODES)}
+MODE_SUM = MODES["sum"]  # exact sums of every index any worker sent
+MODE_GTOPK = MODES["gtopk"]  # results carry only the k largest sums (the DPU worker applies it)
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import numpy as np
 
 from dosa import wire
+from dosa.job import DEFAULT_SCALE_EXP as DEFAULT_JOB_SCALE_EXP
 from host_lib import quantize
 
 SCALE_EXP_MIN = wire.SCALE_EXP_MIN
 SCALE_EXP_MAX = wire.SCALE_EXP_MAX
-#: First round's exponent when neither the user nor the client says: 2^-20 resolution, values up
-#: to ~2^9 / W (gradients are far smaller; larger parts are clipped into the residual, not lost).
-DEFAULT_SCALE_EXP = 20
+#: First round's exponent when neither the user nor the client says: the job's default
+#: (dosa.job.DEFAULT_SCALE_EXP); what quantizes to 0 or is clipped stays in the residual, not lost.
+DEFAULT_SCALE_EXP = DEFAULT_JOB_SCALE_EXP
 
 #: Counters read from the client's ``stats`` (attribute or dict) into DosaHookStats.
 _COUNTERS = ("bytes_sent", "bytes_received", "retransmissions")

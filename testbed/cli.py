@@ -6,6 +6,7 @@ import json
 import sys
 
 from dosa.errors import DosaError
+from dosa.job import DPU_MODES
 
 from testbed import config
 
@@ -36,7 +37,7 @@ def register(sub) -> None:
                     help="shape the DPU links too (default: host links only)")
     up.add_argument("--cpu-split", action="store_true",
                     help="pin hosts and DPUs to disjoint CPUs (first half / second half)")
-    up.add_argument("--mode", choices=["xdp", "userspace"], default="xdp",
+    up.add_argument("--mode", choices=DPU_MODES, default="xdp",
                     help="DPU dataplane: XDP program, or the worker merging from a socket")
     up.add_argument("--no-services", action="store_true",
                     help="topology only: do not start the control plane and DPU workers")
