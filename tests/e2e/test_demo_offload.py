@@ -73,7 +73,8 @@ def test_demo_offload_on_the_testbed_serves_every_batch_from_the_dpu_namespace(t
         pytest.skip("--offload pins hosts and DPUs to disjoint CPUs: needs 2 CPUs")
     prefix = unique_prefix("do")
     cfg = DemoConfig(hosts=2, dpus=1, epochs=1, backend="testbed", out=str(tmp_path), timeout=100,
-                     testbed_prefix=prefix, offload=True, offload_epochs=2)
+                     testbed_prefix=prefix, offload=True, offload_epochs=2,
+                     tta_methods="")  # the time-to-accuracy stage has its own test (test_demo_testbed)
     pids = []
     try:
         s = run_demo(cfg, echo=lambda line: None)

@@ -91,8 +91,9 @@ def test_a_lost_data_packet_is_nacked_by_the_dpu_and_the_sum_stays_exact(monkeyp
         for o in out:
             assert o is not None and np.array_equal(o[0].astype(np.int64), nz) \
                 and np.array_equal(o[1].astype(np.int64), total[nz])
-        assert w.stats["nack_sent"] >= 1
-        assert cs[0].retransmissions == 0  # host 0 never had to ask: the DPU told host 1 itself
+        assert w.stats["nack_sent"] >= 1  # the DPU told host 1 itself
+        # (host 0 may still ask for the result once: its RTO follows the measured RTT, and on a
+        # loaded machine host 1's resend can come later than that; a count of 0 is not guaranteed)
     finally:
         for c in cs:
             c.close()
