@@ -93,6 +93,7 @@ class JobRuntime:
         self._emitted: dict[tuple[int, int], float] = {}
         self._nacked: dict[tuple[int, int, int], float] = {}
         self._stuck: dict[tuple[int, int, int], float] = {}  # (lp, rnd, w) -> first seen missing
+        self.nacks_on_ask = 0  # NACKs (a STATUS naming its recipient) sent on an ask; the scan's: worker stats
         #: this job's counters on this DPU (completions, result packets/entries, answers to
         #: retransmission requests by outcome, userspace merge verdicts): /metrics serves them
         self.stats = collections.Counter()
@@ -222,6 +223,7 @@ class JobRuntime:
                         items.append((p, rnd, m, [m]))
                 if len(self._nacked) > 65536:
                     self._nacked = {k: v for k, v in self._nacked.items() if now - v < NACK_GUARD}
+            self.nacks_on_ask += sum(1 for it in items if it[2] in it[3])  # STATUS naming its recipient
             if statuses is not None:
                 statuses.extend(items)  # the caller sends them all in one batch
             else:
