@@ -119,6 +119,27 @@ cdef int wait_fd(int fd, short events, double deadline) noexcept nogil:
             return -1
 
 
+cdef int recvmmsg_wait(int fd, mmsghdr* msgs, unsigned int n, double deadline, int* err) noexcept nogil:
+    """recvmmsg without blocking, polling until something arrives or ``deadline`` passes. Returns
+    the datagrams received (0: timed out); on an error returns 0 with ``err[0]`` set to errno."""
+    cdef int rc, w
+    while True:
+        rc = recvmmsg(fd, msgs, n, MSG_DONTWAIT, NULL)
+        if rc >= 0:
+            return rc
+        if errno == EINTR:
+            continue
+        if errno != EAGAIN and errno != EWOULDBLOCK:
+            err[0] = errno
+            return 0
+        w = wait_fd(fd, POLLIN, deadline)
+        if w == 0:
+            return 0
+        if w < 0:
+            err[0] = errno
+            return 0
+
+
 def _os_error(int err, str what, Py_ssize_t sent):
     import os
     e = OSError(err, f"{what} failed: {os.strerror(err)}")
@@ -323,7 +344,7 @@ cdef class GroReceiver:
         (waiting up to ``timeout`` s only if nothing was pending). Returns the slots filled; a
         segment longer than a slot (or a datagram cut by the buffer) gets length -1."""
         cdef Py_ssize_t cap = lengths.shape[0], out = 0, k
-        cdef int rc = 0, err = 0, w
+        cdef int rc = 0, err = 0
         cdef double deadline
         cdef cmsghdr* cm
         if data.shape[0] < cap or src_ip_be.shape[0] < cap or src_port_be.shape[0] < cap:
@@ -344,22 +365,7 @@ cdef class GroReceiver:
                     self.msgs[k].msg_hdr.msg_control = <void*>(self.ctrl + k * CTRL_SPACE)
                     self.msgs[k].msg_hdr.msg_controllen = CTRL_SPACE
                 deadline = now() + (timeout if out == 0 else 0.0)
-                while True:
-                    rc = recvmmsg(fd, self.msgs, <unsigned int>self.nmsg, MSG_DONTWAIT, NULL)
-                    if rc >= 0:
-                        break
-                    if errno == EINTR:
-                        continue
-                    if errno != EAGAIN and errno != EWOULDBLOCK:
-                        err = errno
-                        break
-                    w = wait_fd(fd, POLLIN, deadline)
-                    if w == 0:
-                        rc = 0
-                        break
-                    if w < 0:
-                        err = errno
-                        break
+                rc = recvmmsg_wait(fd, self.msgs, <unsigned int>self.nmsg, deadline, &err)
                 if err == 0 and rc > 0:
                     self.calls += 1
                     self.datagrams += rc
@@ -386,7 +392,7 @@ def recv_batch(int fd, uint8_t[:, ::1] data, int64_t[::1] lengths, uint32_t[::1]
     a slot gets length -1 (truncated; the caller drops it as malformed). For sockets without
     UDP_GRO (see GroReceiver). ``counters`` (int64[2]) gets += (calls that returned data, datagrams)."""
     cdef Py_ssize_t cap = lengths.shape[0], k
-    cdef int rc, err = 0, w
+    cdef int rc, err = 0
     cdef double deadline
     if data.shape[0] < cap or src_ip_be.shape[0] < cap or src_port_be.shape[0] < cap:
         raise ValueError("every output array needs a slot per packet")
@@ -413,22 +419,7 @@ def recv_batch(int fd, uint8_t[:, ::1] data, int64_t[::1] lengths, uint32_t[::1]
                 msgs[k].msg_hdr.msg_iov = &iov[k]
                 msgs[k].msg_hdr.msg_iovlen = 1
             deadline = now() + timeout
-            while True:
-                rc = recvmmsg(fd, msgs, <unsigned int>cap, MSG_DONTWAIT, NULL)
-                if rc >= 0:
-                    break
-                if errno == EINTR:
-                    continue
-                if errno != EAGAIN and errno != EWOULDBLOCK:
-                    err = errno
-                    break
-                w = wait_fd(fd, POLLIN, deadline)
-                if w == 0:
-                    rc = 0
-                    break
-                if w < 0:
-                    err = errno
-                    break
+            rc = recvmmsg_wait(fd, msgs, <unsigned int>cap, deadline, &err)
             if err == 0:
                 for k in range(rc):
                     if msgs[k].msg_hdr.msg_flags & MSG_TRUNC:
