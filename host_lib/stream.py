@@ -13,6 +13,9 @@ used as soon as it is back. ``SparseStream`` is that round:
   ``[lo, hi)``, completed by the background thread as soon as those partitions are in;
 * ``finish()`` joins the thread; the client's round number advances when the last partition is in.
 
+The thread is not a daemon (see ``__init__``): a process that returns from ``main`` mid-round
+exits once the round completes or times out, instead of aborting inside libtorch.
+
 Thread safety: the round's state is touched only under one lock; the thread holds it for the
 bookkeeping of one received batch, never while it waits in ``recv`` (which releases the GIL).
 """
@@ -41,7 +44,12 @@ class SparseStream(_Round):
         self._waiters: list[tuple[int, int, concurrent.futures.Future]] = []
         self._progress = time.monotonic()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="dosa-stream", daemon=True)
+        # Not a daemon: DDP's callbacks run in this thread (it completes the buckets' futures), and
+        # a daemon thread still inside libtorch when the interpreter exits aborts the process
+        # (CPython 3.11 pthread_exit()s it through C++ frames: "terminate called without an
+        # active exception"). The loop ends by itself: round complete, failed, or no progress
+        # for the client's timeout, so at worst exit waits that long.
+        self._thread = threading.Thread(target=self._loop, name="dosa-stream", daemon=False)
         self._thread.start()
 
     # ------------------------------------------------------------------ training thread

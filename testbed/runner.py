@@ -156,7 +156,9 @@ def run_ranks(specs: list[RankSpec], argv: list[str], log_dir: Path, timeout: fl
     t0 = time.monotonic()
     try:
         for s in specs:
-            env = {**(os.environ if base_env is None else base_env), **s.env}
+            # PYTHONFAULTHANDLER: a rank killed by a signal (SIGABRT, SIGSEGV) prints every
+            # thread's Python stack in its log instead of dying silently
+            env = {"PYTHONFAULTHANDLER": "1", **(os.environ if base_env is None else base_env), **s.env}
             try:
                 p = subprocess.Popen(netns_cmd(s.namespace, s.argv or argv, s.cpus), env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
