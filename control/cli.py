@@ -9,6 +9,7 @@ import sys
 
 from dosa import wire
 from dosa.errors import DosaError
+from dataplane.loader import DEFAULT_POOL_SLOTS
 from dosa.job import DEFAULT_SLOTS, DPU_MODES
 
 
@@ -41,7 +42,7 @@ def register(sub) -> None:
     a.add_argument("--netns", help="network namespace of the interface (ip netns name)")
     a.add_argument("--xdp-mode", choices=("auto", "native", "skb"), default="auto")
     a.add_argument("--port", type=int, default=wire.DEFAULT_PORT, help="UDP port carrying dosa")
-    a.add_argument("--pool-slots", type=int, default=1 << 22,
+    a.add_argument("--pool-slots", type=int, default=DEFAULT_POOL_SLOTS,
                    help="aggregation pool size in s64 entries (a job holds slots x 2 x partition size)")
     a.add_argument("--pstate-slots", type=int, default=65536, help="(job, aggregation slot) states")
     a.add_argument("--wstate-slots", type=int, default=262144, help="(slot, parity, worker) states")
@@ -118,7 +119,7 @@ def register(sub) -> None:
     v.add_argument("--port", type=int, default=wire.DEFAULT_PORT, help="UDP data port of dosa")
     v.add_argument("--mode", choices=DPU_MODES, default="xdp")
     v.add_argument("--xdp-mode", choices=("auto", "native", "skb"), default="auto")
-    v.add_argument("--pool-slots", type=int, default=1 << 22)
+    v.add_argument("--pool-slots", type=int, default=DEFAULT_POOL_SLOTS)
     v.add_argument("--keep-state", action="store_true", help="leave the dataplane loaded on exit")
     v.set_defaults(func=cmd_serve)
 

@@ -26,13 +26,16 @@ PROG_PIN = "prog"
 MAP_NAMES = ("jobs", "flows", "ports", "pool", "pstate", "wstate", "counters", "completions")
 FUNC_NAME = "xdp_dosa"
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
+#: s64 entries of the aggregation pool by default: 16M = 128 MiB, two jobs of dosa.job.DEFAULT_SLOTS
+#: slots at the default partition size
+DEFAULT_POOL_SLOTS = 1 << 24
 
 
 @dataclass(frozen=True)
 class LoadConfig:
     """Sizes fixed when the program is compiled (BPF maps cannot grow)."""
 
-    pool_slots: int = 1 << 22  # s64 aggregation slots (32 MiB)
+    pool_slots: int = DEFAULT_POOL_SLOTS  # s64 aggregation slots
     pstate_slots: int = 65536  # owned (job, partition) states
     wstate_slots: int = 262144  # (job, owned partition, parity, worker) states
     max_jobs: int = 64
