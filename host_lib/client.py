@@ -1,7 +1,7 @@
 """AggregationClient: one host's side of a dosa allreduce through the DPU(s).
 
 A round: packetize this host's sparse (index, q) entries into SPARSE_DATA packets for every partition
-(host_lib.packetizer), send them to each partition's owning DPU through a bounded window of partitions
+(dosa.packetizer), send them to each partition's owning DPU through a bounded window of partitions
 in flight, collect the result packets of every partition, retransmit on timeouts, and return
 the sums. Everything per packet is vectorized (one sendmmsg/recvmmsg per batch, numpy bookkeeping);
 Python loops only run over partitions whose timer fired.
@@ -22,20 +22,19 @@ import time
 
 import numpy as np
 
-from dosa import wire
+from dosa import _net, wire
 from dosa.env import RankEnv
 from dosa.errors import DosaError
 from dosa.job import JobConfig
 from dosa.net import addr_arrays, multicast_group
+from dosa.packetizer import packetize, packetize_control, parse_batch
+from dosa.transport import UdpEndpoint
 from dosa.wire import Flags, HEADER_DTYPE, PacketBatch, PacketType
 
-from .packetizer import packetize, packetize_control, parse_batch
 from .encoder import RoundEncoder
 from .membership import Membership, StaleJobError, new_session
 from .rto import RttEstimator
 from .quantize import choose_scale_exp, clip_bound, dequantize
-from . import _net
-from .transport import UdpEndpoint
 
 _RESULT_TYPES = (PacketType.SPARSE_RESULT, PacketType.DENSE_RESULT)
 

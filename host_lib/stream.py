@@ -28,10 +28,10 @@ import time
 import numpy as np
 
 from dosa.errors import DosaError
+from dosa.packetizer import packetize
 from dosa.wire import HEADER_DTYPE, MAX_PACKETS_PER_CONTRIBUTION, PacketBatch
 
 from .client import STALL_CHECK_S, _Round
-from .packetizer import packetize
 
 
 class SparseStream(_Round):

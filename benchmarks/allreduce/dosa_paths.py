@@ -205,7 +205,7 @@ class _Chunks:
 
 def _e2e_blocking(c, enc, g, scale, mode, out, touched, phases):
     """One round, not pipelined: encode everything, allreduce_sparse, dense output."""
-    from host_lib import _net
+    from dosa import _net
 
     th = time.thread_time()
     e = enc.encode(g, scale)
@@ -229,7 +229,7 @@ def _e2e_blocking(c, enc, g, scale, mode, out, touched, phases):
 def _e2e_pipelined(c, ch: "_Chunks", g, scale, mode, out, phases):
     """One round through a SparseStream: range by range, encode and hand over (its packets go out
     at once), then take each range's result as it completes into the dense output."""
-    from host_lib import _net
+    from dosa import _net
     from host_lib.encoder import EncodedRound
 
     th = time.thread_time()
@@ -281,7 +281,7 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
     also checks its dense output against its sparse result."""
     import hashlib
 
-    from host_lib import _net
+    from dosa import _net
     from host_lib.encoder import RoundEncoder
     from host_lib.quantize import dequantize
 

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: layer of each top-level package; a package may import its own layer and those below
 LAYERS = {
-    "dosa": 0,                                   # wire format, job schema, env, UDP endpoint, errors
+    "dosa": 0,                   # wire format + packetizer, job schema, env, UDP endpoint, errors
     "dataplane": 1, "host_lib": 1,
     "dpu_fw": 2, "control": 2,
     "testbed": 3,
@@ -142,3 +142,16 @@ def test_the_checks_catch_a_violation_and_a_cycle(tmp_path):
     assert layer_violations(edges) == ["dosa.wire (layer 0, dosa) imports testbed.core (layer 3, testbed)",
                                        "host_lib.client imports the entry point dosa.cli"]
     assert package_cycles(edges) == [["dosa", "testbed", "dosa"]]
+
+
+def test_the_pure_bottom_layer_imports_without_the_compiled_extension():
+    """``dosa.wire`` and the rest of the bottom layer's pure modules (and the scapy layer and capture
+    tools on them) import without ``dosa._net``: only the UDP endpoint and the packetizer need a
+    build. Checked in a fresh interpreter in which importing ``dosa._net`` fails."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['dosa._net'] = None\n"
+            "import dosa.wire, dosa.job, dosa.env, dosa.net, dosa.errors, dosa.join\n"
+            "import dosa.scapy_layer, dosa.capture\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -14,7 +14,7 @@ one packet slot each, and what does not fit the caller's slots is kept for the n
 
 The GIL is released for the whole call, including the waits in poll(). The socket must be
 non-blocking: a full send buffer (EAGAIN/ENOBUFS) waits in poll(POLLOUT) until ``timeout`` runs out.
-Public wrapper: ``host_lib/transport.py`` (UdpEndpoint), which probes GSO/GRO once and falls back.
+Public wrapper: ``dosa/transport.py`` (UdpEndpoint), which probes GSO/GRO once and falls back.
 """
 from libc.errno cimport errno, EAGAIN, EINTR
 
