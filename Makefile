@@ -19,4 +19,4 @@ test-unit: setup
 clean:
 	-$(VENV)/bin/dosa testbed down 2>/dev/null
 	rm -rf build *.egg-info
-	find . -name '*.so' -path '*/host_lib/*' -delete; find . -name '*.so' -path '*/dpu_fw/*' -delete
+	find . -name '*.so' -path '*/host_lib/*' -delete; find . -name '*.so' -path '*/dpu_fw/*' -delete; find . -name '*.so' -path '*/dosa/*' -delete

@@ -31,6 +31,8 @@ import numpy as np
 from dosa.errors import DosaError
 from dosa.progress import progress
 
+from benchmarks.ranks import read_rank_results
+
 JOB_SEED = 11
 
 
@@ -144,15 +146,7 @@ def _run_job(tb, numel: int, args, out: Path) -> dict:
     wall = time.monotonic() - t0
     if run.timed_out:
         raise DosaError(f"the {numel}-entry job did not finish in {args.timeout} s (logs in {out / 'logs'})")
-    ranks = []
-    for w in range(args.hosts):
-        f = out / f"rank{w}.json"
-        if not f.exists():
-            raise DosaError(f"host {w} of the {numel}-entry job wrote no result (logs in {out / 'logs'})")
-        ranks.append(json.loads(f.read_text()))
-    errs = [r["error"] for r in ranks if "error" in r]
-    if errs:
-        raise DosaError(f"the {numel}-entry job failed: {errs[0]}")
+    ranks = read_rank_results(out, args.hosts, f"the {numel}-entry job", out / "logs")
     per_round = np.max(np.array([r["round_s"] for r in ranks]), axis=0)
     return {"numel": numel, "wall_s": round(wall, 2),
             "rounds_checked": sum(len(r["exact"]) for r in ranks),

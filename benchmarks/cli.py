@@ -5,6 +5,7 @@ benchmark's heavy dependencies (torch, bcc) are not needed to list them."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 
 from dosa import wire
@@ -16,21 +17,24 @@ def register_bench(bench_sub) -> None:
     _register_dataplane(bench_sub)
     _register_allreduce(bench_sub)
     _register_offload(bench_sub)
-    _register_bigjob(bench_sub)
-    _register_recovery(bench_sub)
-    _register_train(bench_sub)
+    _register_module(bench_sub, "bigjob",
+                     "a 110M-entry job on the testbed's default DPU memory, every round exact (root)")
+    _register_module(bench_sub, "recovery",
+                     "round time under loss/dup/reorder vs clean, and time to name a killed host (root)")
+    _register_module(bench_sub, "train",
+                     "time to accuracy: dosa vs dense Gloo, DGC allgather and PowerSGD (testbed, root)")
 
 
-# --- dosa bench recovery -----------------------------------------------------------------------
+# --- dosa bench bigjob | recovery | train ------------------------------------------------------
 
-def _register_recovery(bench_sub) -> None:
-    from benchmarks import recovery  # light: numpy only until it runs
-
-    p = bench_sub.add_parser(
-        "recovery", help="round time under loss/dup/reorder vs clean, and time to name a killed host (root)",
-        description=recovery.__doc__.split("\n\n")[0])
-    recovery.add_arguments(p)
-    p.set_defaults(func=recovery.run_cli)
+def _register_module(bench_sub, name: str, help_line: str) -> None:
+    """``dosa bench NAME`` for a benchmark module that carries its own command line:
+    ``add_arguments(parser)``, ``run_cli(args)``, and its docstring's first paragraph as the
+    description. Importing the module is light (numpy only; torch is imported by train's ranks)."""
+    mod = importlib.import_module(f"benchmarks.{name}")
+    p = bench_sub.add_parser(name, help=help_line, description=mod.__doc__.split("\n\n")[0])
+    mod.add_arguments(p)
+    p.set_defaults(func=mod.run_cli)
 
 
 # --- dosa bench host ---------------------------------------------------------------------------
@@ -137,18 +141,6 @@ def _bench_allreduce(args) -> int:
     return runner.cli_run(args, extra_methods=runner.dpu_fw_methods(args))
 
 
-# --- dosa bench bigjob -------------------------------------------------------------------------
-
-def _register_bigjob(bench_sub) -> None:
-    from benchmarks import bigjob  # light: numpy only until it runs
-
-    p = bench_sub.add_parser(
-        "bigjob", help="a 110M-entry job on the testbed's default DPU memory, every round exact (root)",
-        description=bigjob.__doc__.split("\n\n")[0])
-    bigjob.add_arguments(p)
-    p.set_defaults(func=bigjob.run_cli)
-
-
 # --- dosa bench offload ------------------------------------------------------------------------
 
 def _register_offload(bench_sub) -> None:
@@ -169,15 +161,3 @@ def _register_offload(bench_sub) -> None:
                    help="niceness of the host loop and the services alike (e.g. -10 on a busy shared "
                         "machine, to approach dedicated cores; below 0 needs root)")
     b.set_defaults(func=offload.main)
-
-
-# --- dosa bench train --------------------------------------------------------------------------
-
-def _register_train(bench_sub) -> None:
-    from benchmarks import train  # light: torch is imported by the ranks only
-
-    p = bench_sub.add_parser(
-        "train", help="time to accuracy: dosa vs dense Gloo, DGC allgather and PowerSGD (testbed, root)",
-        description=train.__doc__.split("\n\n")[0])
-    train.add_arguments(p)
-    p.set_defaults(func=train.run_cli)

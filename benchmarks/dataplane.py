@@ -2,7 +2,7 @@
 of the same entries measured in the same run.
 
 Set-up: two namespaces joined by a veth; the dataplane attached (native XDP) to the DPU end; a job
-of W workers whose packets (host_lib.packetizer, one PacketBatch per worker) are sent with batched
+of W workers whose packets (dosa.packetizer, one PacketBatch per worker) are sent with batched
 sendmmsg (host_lib's Cython ``send_batch``) from one socket per worker, split over ``senders``
 threads (the send loop runs without the GIL, so threads use both cores). Every round: patch the
 round field, send everything, wait for the completions, check every partition's sum against the
@@ -84,7 +84,7 @@ class _Lab:
 
 def _make_round(rng, pmap, workers: int, density: float):
     """Per worker: sorted unique indices and int32 values; the reference sums (int64)."""
-    from host_lib.packetizer import packetize
+    from dosa.packetizer import packetize
 
     ref = np.zeros(pmap.numel, np.int64)
     batches, entries = [], []
@@ -134,7 +134,7 @@ def run(workers: int = 8, numel: int = 1 << 22, density: float = 0.05, rounds: i
     from control.netns import run_in_netns
     from dataplane import loader
     from dataplane.loader import LoadConfig
-    from host_lib.transport import UdpEndpoint
+    from dosa.transport import UdpEndpoint
     from dosa.net import addr_arrays
 
     loader.require_root("dosa bench dataplane")

@@ -18,7 +18,7 @@ from dosa import wire
 from dosa.progress import track
 from host_lib.compress import topk_exact, topk_fast, target_k
 from host_lib.encoder import RoundEncoder
-from host_lib.packetizer import packetize, parse_batch
+from dosa.packetizer import packetize, parse_batch
 from host_lib.quantize import choose_scale_exp, quantize
 
 

@@ -26,7 +26,7 @@ def _shares(dataset: str, batch_size: int, seed: int, spec: dict, epoch_cpu_seco
     on the host. CPU time, not wall time: on a shared machine it is the figure that holds still."""
     from examples.train_offload import _local_metrics
     from host_lib.offload import LocalLoader
-    from host_lib.offload.models import build_model
+    from dosa.offload.models import build_model
 
     loader = LocalLoader(dataset, batch_size, seed, as_numpy=True)
     t0 = time.process_time()

@@ -32,6 +32,8 @@ import numpy as np
 
 from dosa.job import DPU_MODES
 
+from benchmarks.ranks import read_rank_results
+
 SCENARIOS = {
     "clean": {},
     "loss5_dup1_reorder5": {"loss": "5", "dup": "1", "reorder": "5"},
@@ -149,11 +151,7 @@ def _scenario(name: str, shaping: dict, hosts: int, numel: int, density: float, 
                 "--numel", str(numel), "--density", str(density), "--rounds", str(rounds),
                 "--timeout", str(timeout), "--kill-at", str(kill_at), "--victim", str(hosts - 1)]
         run = tb.run(argv, timeout=rounds * 10 + 60, echo=False, log_dir=f"{tmp}/logs")
-        ranks = []
-        for r in range(hosts):
-            f = Path(out.replace("RANK", str(r)))
-            if f.exists():
-                ranks.append(json.loads(f.read_text()))
+        ranks = read_rank_results(tmp, hosts)  # out's RANK is each rank's number
         if len(ranks) != hosts:
             err = "; ".join(Path(f"{tmp}/logs/rank{r}.err").read_text()[-300:] for r in range(hosts)
                             if Path(f"{tmp}/logs/rank{r}.err").exists())

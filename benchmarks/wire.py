@@ -3,7 +3,7 @@ costs the host to build and parse it, next to protocol v1 in the same run.
 
 The input is one host's top-k of the benchmarks' synthetic gradient (benchmarks.allreduce.gradients:
 layers of different scales, heavy tails; 4 hosts, correlation 0.5), quantized. For each MTU it prints
-the data packets and bytes on the wire (Ethernet frames, host_lib.packetizer's output plus 42 bytes
+the data packets and bytes on the wire (Ethernet frames, dosa.packetizer's output plus 42 bytes
 of Ethernet/IPv4/UDP headers), the same for the DPU's result of the 4 hosts' union, and the CPU time
 (process time, median of ``--repeat``) of packetize and of parse_batch. v1 (8-byte absolute entries,
 180 a packet, one MTU) is computed from its definition: ceil(count / 180) packets a partition, at
@@ -20,7 +20,7 @@ import numpy as np
 
 from benchmarks.allreduce import gradients as G
 from dosa import wire
-from host_lib.packetizer import packetize, packetize_results, parse_batch
+from dosa.packetizer import packetize, packetize_results, parse_batch
 
 FRAME = wire.ETH_HDR_LEN + wire.IPV4_HDR_LEN + wire.UDP_HDR_LEN  # bytes around a dosa packet
 

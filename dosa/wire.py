@@ -1,7 +1,7 @@
 """The dosa wire protocol, version 1: the one definition every component uses.
 
-host_lib (packetizer, parser), dpu_fw (result packets), the scapy layer (``dosa.scapy_layer``), the
-capture reader and the tests all take field names, sizes, offsets, constants and the header rules
+the packetizer and parser (``dosa.packetizer``: hosts' data, DPU workers' results), the scapy layer
+(``dosa.scapy_layer``), the capture reader and the tests all take field names, sizes, offsets, constants and the header rules
 from here; the tables are plain data so generators can read them. ``dataplane/dosa_wire.h`` is
 generated from this module (:func:`c_header`, ``python -m dataplane.gen_headers``), the XDP
 program's header check included; ``tests/unit/test_wire_c_header.py`` fails when they drift. The
@@ -420,7 +420,7 @@ def rule_error(code: int, fields: dict, length: int) -> ProtocolError:
 
 def parse_packet(buf: bytes | memoryview) -> tuple[Header, np.ndarray]:
     """Decode one UDP payload into (header, entries), for tests, tools and control packets (batches
-    go through host_lib.packetizer, vectorized).
+    go through dosa.packetizer, vectorized).
 
     Sparse types give a SPARSE_ENTRY_DTYPE array (absolute index = base + offset, value), dense
     types an ``>i4`` array of the values of ``base, base + 1, ...``, RETX_REQUEST and STATUS ``>u4``.

@@ -43,7 +43,7 @@ def merge_batch(const uint32_t[::1] eidx, const int32_t[::1] evals, const int64_
     """Apply the dataplane's merge rules to a batch of SPARSE_DATA packets of one job, all for
     partitions this DPU owns (``lp`` = local partition index), headers already validated and decoded
     into the per-packet arrays. Packet i's entries are ``eidx/evals[eoff[i] : eoff[i] + count[i]]``
-    (the flat arrays of host_lib.packetizer.parse_batch).
+    (the flat arrays of dosa.packetizer.parse_batch).
 
     Returns the number of completions written to ``completions`` as (local partition, round) rows,
     in the order they happened. ``verdict[i]`` says what happened to packet i (a

@@ -29,10 +29,10 @@ from dosa import wire
 from dosa.errors import DosaError
 from dosa.job import DPU_MODES, JobConfig
 from dosa.net import addr_arrays, multicast_group
+from dosa.packetizer import (packetize_partition_result, packetize_results, packetize_status,
+                             parse_batch)
+from dosa.transport import UdpEndpoint
 from dosa.wire import Flags, PacketBatch, PacketType
-from host_lib.packetizer import (packetize_partition_result, packetize_results, packetize_status,
-                                 parse_batch)
-from host_lib.transport import UdpEndpoint
 
 from . import _merge
 from .userspace import DUP_OF_COMPLETE, VERDICTS, MergeState, top_k_abs
@@ -177,7 +177,7 @@ class JobRuntime:
                             self.job.job_id, *self.group, e)
                 self.group = None
         # host-major: each host's copy is one run of a partition's packets, so UDP GSO sends it
-        # as one datagram (host_lib.transport)
+        # as one datagram (dosa.transport)
         rows = np.tile(np.arange(n), h)
         ep.send(batch, rows, np.repeat(self.host_ip, n), np.repeat(self.host_port, n))
 

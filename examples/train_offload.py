@@ -10,10 +10,10 @@ import argparse
 import time
 
 from host_lib.offload import LocalLoader, OffloadedLoader, OffloadedValidator, OffloadServices
-from host_lib.offload.augment import AugmentConfig
-from host_lib.offload.datasets import load_dataset
-from host_lib.offload.evaluate import evaluate_snapshot
-from host_lib.offload.models import build_model, state_arrays
+from dosa.offload.augment import AugmentConfig
+from dosa.offload.datasets import load_dataset
+from dosa.offload.evaluate import evaluate_snapshot
+from dosa.offload.models import build_model, state_arrays
 
 
 def default_model_spec(dataset: str, hidden=(128,)) -> dict:
@@ -28,7 +28,7 @@ def run_training(dataset: str = "digits", model_spec: dict | None = None, epochs
                  offload: "OffloadServices | bool | None" = None, cpus: str | None = None,
                  fallback: bool = True, augment: AugmentConfig | None = AugmentConfig(),
                  log=None) -> dict:
-    """Train a model from host_lib.offload.models with validation after every epoch.
+    """Train a model from dosa.offload.models with validation after every epoch.
 
     Args:
         offload: None/False: augmentation and validation on the host (LocalLoader + local

@@ -8,7 +8,7 @@ used as soon as it is back. ``SparseStream`` is that round:
 * ``send(indices, values, upto)`` (the training thread) packetizes partitions ``[released, upto)``
   and sends them at once (window permitting);
 * a background thread receives, retransmits and times out exactly like a blocking round (it *is* a
-  ``client._Round``, with ``released`` limiting what may be sent);
+  ``host_lib.round.Round``, with ``released`` limiting what may be sent);
 * ``wait_for(lo, hi)`` returns a ``concurrent.futures.Future`` of ``(indices, sums)`` of partitions
   ``[lo, hi)``, completed by the background thread as soon as those partitions are in;
 * ``finish()`` joins the thread; the client's round number advances when the last partition is in.
@@ -28,13 +28,13 @@ import time
 import numpy as np
 
 from dosa.errors import DosaError
+from dosa.packetizer import packetize
 from dosa.wire import HEADER_DTYPE, MAX_PACKETS_PER_CONTRIBUTION, PacketBatch
 
-from .client import STALL_CHECK_S, _Round
-from .packetizer import packetize
+from .round import STALL_CHECK_S, Round
 
 
-class SparseStream(_Round):
+class SparseStream(Round):
     """A round fed in ascending partition ranges (see the module docstring)."""
 
     def __init__(self, client, scale_exp: int):
@@ -133,7 +133,7 @@ class SparseStream(_Round):
                 fut.set_result(self._decode_range(lo, hi))
 
     def _decode_range(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """_Round._decode restricted to the result packets of partitions [lo, hi)."""
+        """Round._decode restricted to the result packets of partitions [lo, hi)."""
         kept = (self.raw, self.raw_key, self.raw_count)
         klo, khi = lo * MAX_PACKETS_PER_CONTRIBUTION, hi * MAX_PACKETS_PER_CONTRIBUTION
         sel = [(r[m], k[m], n[m]) for r, k, n in zip(*kept)

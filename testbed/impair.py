@@ -41,7 +41,7 @@ def segment_at_node(namespace: str, dev: str) -> None:
     """Make node interface ``dev`` cut UDP GSO datagrams into their packets itself (software GSO,
     ``tx-udp-segmentation off``), so that the link's impairment sees every packet.
 
-    A veth hands a GSO datagram (up to 64 packets, host_lib.transport) to its peer whole when it
+    A veth hands a GSO datagram (up to 64 packets, dosa.transport) to its peer whole when it
     can; the bridge port's tc programs would then drop, duplicate or delay all its packets at once.
     With segmentation at the node the fabric carries only the packets themselves, as a real NIC
     puts them on the wire. The node's own egress qdisc still sees the whole datagram: tbf counts

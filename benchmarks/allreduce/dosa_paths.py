@@ -42,6 +42,8 @@ import numpy as np
 
 from dosa.errors import DosaError
 
+from benchmarks.ranks import read_rank_results
+
 
 def _inputs(numel: int, density: float, workers: int, seed: int, rnd: int, w: int):
     from host_lib.quantize import clip_bound
@@ -205,7 +207,7 @@ class _Chunks:
 
 def _e2e_blocking(c, enc, g, scale, mode, out, touched, phases):
     """One round, not pipelined: encode everything, allreduce_sparse, dense output."""
-    from host_lib import _net
+    from dosa import _net
 
     th = time.thread_time()
     e = enc.encode(g, scale)
@@ -229,7 +231,7 @@ def _e2e_blocking(c, enc, g, scale, mode, out, touched, phases):
 def _e2e_pipelined(c, ch: "_Chunks", g, scale, mode, out, phases):
     """One round through a SparseStream: range by range, encode and hand over (its packets go out
     at once), then take each range's result as it completes into the dense output."""
-    from host_lib import _net
+    from dosa import _net
     from host_lib.encoder import EncodedRound
 
     th = time.thread_time()
@@ -281,7 +283,7 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
     also checks its dense output against its sparse result."""
     import hashlib
 
-    from host_lib import _net
+    from dosa import _net
     from host_lib.encoder import RoundEncoder
     from host_lib.quantize import dequantize
 
@@ -551,15 +553,7 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
                             f"(logs in {res_dir / 'logs'})")
     finally:
         tb.down()
-    ranks = []
-    for w in range(args.hosts):
-        f = res_dir / f"rank{w}.json"
-        if not f.exists():
-            raise DosaError(f"{path} path: host {w} wrote no result (logs in {res_dir / 'logs'})")
-        ranks.append(json.loads(f.read_text()))
-    errors = [r["error"] for r in ranks if "error" in r]
-    if errors:
-        raise DosaError(f"{path} path failed: {errors[0]}")
+    ranks = read_rank_results(res_dir, args.hosts, f"{path} path", res_dir / "logs")
     per_round = np.max(np.array([r["round_s"] for r in ranks]), axis=0)
     e2e = {}
     if all("e2e_round_s" in r for r in ranks):

@@ -150,7 +150,7 @@ def _ip(*args, check=True):
 
 
 def _sender(duration: float, payload: int) -> dict:
-    from host_lib import _net
+    from dosa import _net
 
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.setblocking(False)
@@ -176,7 +176,7 @@ def _sender(duration: float, payload: int) -> dict:
 
 
 def _receiver(duration: float) -> dict:
-    from host_lib import _net
+    from dosa import _net
 
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:

@@ -22,7 +22,7 @@ def write_shards(dataset: str, hosts: int, seed: int, directory: Path) -> str:
     it the same way (the DPU reads the shared disk, as it would read its own)."""
     import numpy as np
 
-    from host_lib.offload.datasets import load_dataset
+    from dosa.offload.datasets import load_dataset
 
     ds = load_dataset(dataset)
     n = len(ds.train) // hosts

@@ -1,5 +1,5 @@
 """The rank side of ``dosa demo --offload``: DDP training (gradients by Gloo's dense allreduce, so
-only the data path differs) of an MLP from host_lib.offload.models, run twice in one launch:
+only the data path differs) of an MLP from dosa.offload.models, run twice in one launch:
 
 * ``host``: every rank augments its own shard of batches (``LocalLoader``) and rank 0 evaluates the
   validation split after each epoch while the other ranks wait for it at the next allreduce;
@@ -56,8 +56,8 @@ def run_mode(mode: str, args, rank: int, world: int, progress: bool) -> dict:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from host_lib.offload.models import build_model, state_arrays
-    from host_lib.offload.evaluate import evaluate_snapshot
+    from dosa.offload.models import build_model, state_arrays
+    from dosa.offload.evaluate import evaluate_snapshot
     from examples.train_offload import default_model_spec
     from host_lib.offload import LocalLoader, OffloadedLoader, OffloadedValidator, OffloadFallbackWarning
 

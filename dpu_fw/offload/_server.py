@@ -11,7 +11,7 @@ import sys
 import threading
 
 from dosa.errors import DosaError
-from host_lib.offload.protocol import ConnectionClosed, FrameError, OffloadError, parse_address, send_message
+from dosa.offload.protocol import ConnectionClosed, FrameError, OffloadError, parse_address, send_message
 
 log = logging.getLogger("dosa.offload")
 

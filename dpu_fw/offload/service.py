@@ -25,9 +25,9 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from dosa.errors import DosaError
-from host_lib.offload.augment import AugmentConfig, make_pipeline
-from host_lib.offload.datasets import load_dataset
-from host_lib.offload.protocol import ConnectionClosed, FrameError, recv_message, send_message
+from dosa.offload.augment import AugmentConfig, make_pipeline
+from dosa.offload.datasets import load_dataset
+from dosa.offload.protocol import ConnectionClosed, FrameError, recv_message, send_message
 
 from . import _server
 

@@ -6,7 +6,7 @@ Requests on a connection (framing in protocol.py); several may be in flight, ans
       -> ``metrics`` {job, epoch, loss, accuracy, samples, seconds}
       -> ``failed``  {job, message}   (a bad snapshot fails that job only; the connection stays)
 
-The evaluation itself is host_lib.offload.evaluate.evaluate_snapshot, the single evaluation path:
+The evaluation itself is dosa.offload.evaluate.evaluate_snapshot, the single evaluation path:
 the service calls it, and so does a host that evaluates locally (fallback, or to check the
 service), hence equal snapshots give equal metrics.
 """
@@ -19,9 +19,9 @@ import threading
 import time
 
 from dosa.errors import DosaError
-from host_lib.offload.evaluate import DEFAULT_BATCH, evaluate_snapshot, validation_batches
-from host_lib.offload.models import check_spec
-from host_lib.offload.protocol import ConnectionClosed, FrameError, recv_message, send_message
+from dosa.offload.evaluate import DEFAULT_BATCH, evaluate_snapshot, validation_batches
+from dosa.offload.models import check_spec
+from dosa.offload.protocol import ConnectionClosed, FrameError, recv_message, send_message
 
 from . import _server
 

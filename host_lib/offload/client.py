@@ -17,7 +17,7 @@ Example::
 
 Exactness on failure: a batch counts as delivered only once it has arrived whole; after a failure the
 loader continues (locally with ``fallback=True``, else it raises) from the next undelivered batch
-index. Since a batch is a pure function of (seed, epoch, index) (see host_lib/offload/augment.py), no
+index. Since a batch is a pure function of (seed, epoch, index) (see dosa/offload/augment.py), no
 batch of the epoch is lost or repeated, and the fallback batches are bit-identical to the service's.
 """
 from __future__ import annotations
@@ -31,11 +31,10 @@ import warnings
 import numpy as np
 
 from dosa.errors import DosaError
-
-from .augment import AugmentConfig, make_pipeline
-from .evaluate import DEFAULT_BATCH, evaluate_snapshot
-from .models import check_spec, state_arrays
-from .protocol import ConnectionClosed, FrameError, OffloadError, connect, recv_message, send_message
+from dosa.offload.augment import AugmentConfig, make_pipeline
+from dosa.offload.evaluate import DEFAULT_BATCH, evaluate_snapshot
+from dosa.offload.models import check_spec, state_arrays
+from dosa.offload.protocol import ConnectionClosed, FrameError, OffloadError, connect, recv_message, send_message
 
 
 class ServiceLost(OffloadError):
@@ -59,7 +58,7 @@ class OffloadedLoader:
 
     Args:
         address: "host:port" of the augmentation service.
-        dataset: dataset spec (see host_lib/offload/datasets.py), loaded by the service itself.
+        dataset: dataset spec (see dosa/offload/datasets.py), loaded by the service itself.
         batch_size, seed: as for the local pipeline; the same values give bit-identical batches.
         augment: an AugmentConfig, a dict of its fields, or None for no augmentation/no shuffling.
         fallback: on service failure, warn once and continue locally from the next batch; when
@@ -286,7 +285,7 @@ class OffloadedValidator:
     def submit(self, model_or_state, epoch=None, spec: dict | None = None) -> ValidationHandle:
         """Snapshot ``model_or_state`` now (training may go on changing it) and have it evaluated.
 
-        ``spec`` defaults to ``model.spec`` (models built by host_lib.offload.models carry it)."""
+        ``spec`` defaults to ``model.spec`` (models built by dosa.offload.models carry it)."""
         spec = check_spec(spec if spec is not None else getattr(model_or_state, "spec", None))
         arrays = state_arrays(model_or_state)
         handle = ValidationHandle(next(self._jobs), epoch)

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .protocol import OffloadError
+from dosa.offload.protocol import OffloadError
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 

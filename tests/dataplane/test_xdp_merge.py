@@ -220,8 +220,8 @@ def test_largest_mtu_packets_merge_every_entry(h):
 
 @pytest.mark.parametrize("mtu", [wire.MIN_MTU, wire.DEFAULT_MTU, wire.MAX_MTU])
 def test_packetizer_rounds_merge_exactly_at_every_mtu(h, mtu):
-    """host_lib.packetizer's packets (sparse partitions and a dense run) through the program."""
-    from host_lib.packetizer import packetize
+    """dosa.packetizer's packets (sparse partitions and a dense run) through the program."""
+    from dosa.packetizer import packetize
 
     j = h.job(workers=2, numel=150000, partition_size=65536)
     pm = wire.PartitionMap(j.numel, j.partition_size)

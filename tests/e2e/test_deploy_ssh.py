@@ -55,7 +55,7 @@ def test_deploy_over_ssh_trains_through_the_deployed_dpu_and_leaves_nothing(tmp_
             for s, pid in pids.items():
                 assert pid in d0_pids, f"{s} (pid {pid}) is not in d0's namespace"
                 assert os.readlink(f"/proc/{pid}/cwd") == str(remote)
-            assert (remote / "host_lib").is_dir() and list((remote / "host_lib").glob("_net*.so"))
+            assert (remote / "host_lib").is_dir() and list((remote / "dosa").glob("_net*.so"))
             assert any(i["xdp"] for i in tb.status()["nodes"][2]["interfaces"])
 
             # train: torchrun on each host over ssh, with the variables the deploy names

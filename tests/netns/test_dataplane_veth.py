@@ -135,7 +135,7 @@ def test_largest_mtu_frames_through_native_xdp_on_veth():
     from control.netns import run_in_netns
     from dataplane import loader
     from dataplane.loader import LoadConfig
-    from host_lib.packetizer import packetize
+    from dosa.packetizer import packetize
 
     mtu = wire.MAX_MTU
     rng = np.random.default_rng(11)

@@ -21,7 +21,7 @@ import numpy as np
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 from dosa.net import addr_arrays
 from dosa.wire import PacketBatch
-from host_lib.transport import UdpEndpoint
+from dosa.transport import UdpEndpoint
 
 def udp():
     rows = [l.split() for l in open("/proc/net/snmp") if l.startswith("Udp:")]

@@ -21,9 +21,9 @@ def lab():
 def test_services_in_a_dpu_namespace_serve_a_host_namespace_exactly():
     import torch
     from control.netns import run_in_netns
-    from host_lib.offload.augment import AugmentConfig, make_pipeline
-    from host_lib.offload.models import build_model, state_arrays
-    from host_lib.offload.evaluate import evaluate_snapshot
+    from dosa.offload.augment import AugmentConfig, make_pipeline
+    from dosa.offload.models import build_model, state_arrays
+    from dosa.offload.evaluate import evaluate_snapshot
     from host_lib.offload import OffloadedLoader, OffloadedValidator, OffloadServices
 
     cpu = str(max(os.sched_getaffinity(0)))

@@ -18,7 +18,7 @@ SEND = f"""
 import sys, numpy as np
 sys.path.insert(0, {str(ROOT)!r})
 from dosa.wire import PacketBatch
-from host_lib.transport import UdpEndpoint
+from dosa.transport import UdpEndpoint
 from dosa.net import addr_arrays
 ep = UdpEndpoint((sys.argv[1], 0))
 b = PacketBatch.empty(440)

@@ -1,4 +1,4 @@
-"""The augmentation pipeline (host_lib/offload/augment.py), the dataset specs and the service framing:
+"""The augmentation pipeline (dosa/offload/augment.py), the dataset specs and the service framing:
 pure functions, no services, no privilege."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from dosa.errors import DosaError
-from host_lib.offload import protocol
-from host_lib.offload.augment import AugmentConfig, BatchPipeline, augment_batch, make_pipeline
-from host_lib.offload.datasets import Split, load_dataset
+from dosa.offload import protocol
+from dosa.offload.augment import AugmentConfig, BatchPipeline, augment_batch, make_pipeline
+from dosa.offload.datasets import Split, load_dataset
 
 DS = "digits:size=16,channels=2"
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dosa import wire
-from host_lib import packetizer
+from dosa import packetizer
 from benchmarks.allreduce import baselines as B
 from benchmarks.allreduce import gradients as G
 from benchmarks.allreduce import limit as L

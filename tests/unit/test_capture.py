@@ -427,9 +427,9 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
 
 
 def test_packets_from_host_lib_packetizer_verify(tmp_path):
-    """Captures of what the real encoders produce (host_lib.packetizer for the workers' data and
+    """Captures of what the real encoders produce (dosa.packetizer for the workers' data and
     the DPU's results) verify, and a result computed without one worker's data does not."""
-    from host_lib.packetizer import packetize, packetize_results
+    from dosa.packetizer import packetize, packetize_results
 
     pm = wire.PartitionMap(numel=5000, partition_size=1200, num_dpus=2)
     rng = np.random.default_rng(21)
@@ -485,9 +485,9 @@ def test_v1_capture_is_refused_in_one_sentence(tmp_path, capsys):
 
 @pytest.mark.parametrize("mtu", [wire.DEFAULT_MTU, wire.MAX_MTU])
 def test_packetizer_rounds_with_dense_runs_verify(tmp_path, mtu):
-    """What host_lib.packetizer sends (sparse partitions, a dense run, results both ways) at any
+    """What dosa.packetizer sends (sparse partitions, a dense run, results both ways) at any
     MTU reads back and verifies; a wrong sum in a dense result is named."""
-    from host_lib.packetizer import packetize, packetize_results
+    from dosa.packetizer import packetize, packetize_results
 
     pm = PartitionMap(numel=150000, partition_size=65536)
     rng = np.random.default_rng(5)

@@ -12,7 +12,7 @@ from host_lib.compress import (
     FastStats, select_topk, target_k, topk_exact, topk_fast,
 )
 from host_lib.encoder import RoundEncoder
-from host_lib.packetizer import packetize, parse_batch
+from dosa.packetizer import packetize, parse_batch
 from host_lib.quantize import clip_bound
 
 pytestmark = pytest.mark.timeout(120)

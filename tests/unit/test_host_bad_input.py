@@ -11,7 +11,7 @@ from dosa.cli import main as dosa_main
 from dosa.wire import Flags, PacketType, PartitionMap
 from host_lib.compress import select_topk
 from host_lib.encoder import RoundEncoder
-from host_lib.packetizer import (
+from dosa.packetizer import (
     packetize, packetize_partition_result, packetize_results, parse_batch, results_to_dense,
     results_to_sparse,
 )

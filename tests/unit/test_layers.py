@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: layer of each top-level package; a package may import its own layer and those below
 LAYERS = {
-    "dosa": 0,                                   # wire format, job schema, env, UDP endpoint, errors
+    "dosa": 0,                   # wire format + packetizer, job, env, UDP endpoint, offload's shared, errors
     "dataplane": 1, "host_lib": 1,
-    "dpu_fw": 2, "control": 2,
+    "dpu_fw": 2, "control": 2,   # dpu_fw imports no host_lib (FORBIDDEN)
     "testbed": 3,
     "benchmarks": 4, "examples": 4,
 }
@@ -130,6 +130,21 @@ def test_top_level_packages_import_each_other_without_cycles():
     assert package_cycles(import_edges()) == []
 
 
+#: (importer, imported) pairs the layers would allow but the design does not: what both need is in
+#: the bottom layer (the DPU worker sends and parses packets with dosa.packetizer/dosa.transport and
+#: shares the offload's pieces through dosa.offload, not through host_lib)
+FORBIDDEN = [("dpu_fw", "host_lib")]
+
+
+def forbidden_imports(edges) -> list[str]:
+    return [f"{src} imports {dst}" for src, dst in edges
+            if (src.split(".")[0], dst.split(".")[0]) in FORBIDDEN and not is_entry_point(src)]
+
+
+def test_dpu_fw_does_not_import_host_lib():
+    assert forbidden_imports(import_edges()) == []
+
+
 def test_the_checks_catch_a_violation_and_a_cycle(tmp_path):
     """The checker itself: an upward import and a two-package cycle are both reported, an import
     inside a function included."""
@@ -142,3 +157,18 @@ def test_the_checks_catch_a_violation_and_a_cycle(tmp_path):
     assert layer_violations(edges) == ["dosa.wire (layer 0, dosa) imports testbed.core (layer 3, testbed)",
                                        "host_lib.client imports the entry point dosa.cli"]
     assert package_cycles(edges) == [["dosa", "testbed", "dosa"]]
+    assert forbidden_imports([("dpu_fw.worker", "host_lib.client"), ("host_lib.client", "dosa.wire"),
+                              ("dpu_fw.cli", "host_lib.client")]) == ["dpu_fw.worker imports host_lib.client"]
+
+
+def test_the_pure_bottom_layer_imports_without_the_compiled_extension():
+    """``dosa.wire`` and the rest of the bottom layer's pure modules (and the scapy layer and capture
+    tools on them) import without ``dosa._net``: only the UDP endpoint and the packetizer need a
+    build. Checked in a fresh interpreter in which importing ``dosa._net`` fails."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['dosa._net'] = None\n"
+            "import dosa.wire, dosa.job, dosa.env, dosa.net, dosa.errors, dosa.join\n"
+            "import dosa.scapy_layer, dosa.capture\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -1,5 +1,5 @@
 """The DPU merge kernels and the userspace merge state machine (dpu_fw._merge, dpu_fw.userspace):
-the dataplane's rules (docs/protocol.md) applied to real packets built by host_lib.packetizer."""
+the dataplane's rules (docs/protocol.md) applied to real packets built by dosa.packetizer."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 from dosa.wire import PartitionMap
 from dpu_fw import _merge
 from dpu_fw.userspace import VERDICTS, MergeState, top_k_abs
-from host_lib.packetizer import packetize, parse_batch
+from dosa.packetizer import packetize, parse_batch
 
 
 def test_scatter_add_matches_numpy_and_reports_out_of_range():

@@ -1,4 +1,4 @@
-"""Batched UDP send/receive (host_lib._net via host_lib.transport.UdpEndpoint) over loopback."""
+"""Batched UDP send/receive (dosa._net via dosa.transport.UdpEndpoint) over loopback."""
 from __future__ import annotations
 
 import socket
@@ -9,8 +9,8 @@ import pytest
 
 from dosa import wire
 from dosa.wire import PacketBatch
-from host_lib import _net
-from host_lib.transport import UdpEndpoint
+from dosa import _net
+from dosa.transport import UdpEndpoint
 from dosa.net import addr_arrays
 
 

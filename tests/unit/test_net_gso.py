@@ -1,4 +1,4 @@
-"""UDP GSO sends and GRO receives (host_lib._net via UdpEndpoint) over loopback: they really batch
+"""UDP GSO sends and GRO receives (dosa._net via UdpEndpoint) over loopback: they really batch
 (system calls and datagrams counted, far fewer than packets), cut runs where the rules say, deliver
 every packet intact, and fall back to one datagram per packet when the path refuses GSO."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from dosa.wire import PacketBatch
-from host_lib import _net
-from host_lib.transport import UdpEndpoint, batching
+from dosa import _net
+from dosa.transport import UdpEndpoint, batching
 from dosa.net import addr_arrays
 
 pytestmark = pytest.mark.skipif(not batching()["gso"] or not batching()["gro"],

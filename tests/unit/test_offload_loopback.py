@@ -9,9 +9,9 @@ import warnings
 import numpy as np
 import pytest
 
-from host_lib.offload.augment import AugmentConfig, make_pipeline
-from host_lib.offload.models import build_model, state_arrays
-from host_lib.offload.evaluate import evaluate_snapshot
+from dosa.offload.augment import AugmentConfig, make_pipeline
+from dosa.offload.models import build_model, state_arrays
+from dosa.offload.evaluate import evaluate_snapshot
 from host_lib.offload import (OffloadedLoader, OffloadedValidator, OffloadFallbackWarning,
                               OffloadServices, ServiceLost, ServiceRefused)
 

@@ -1,4 +1,4 @@
-"""host_lib.packetizer: vectorized building and parsing agree with dosa.wire, packet by packet."""
+"""dosa.packetizer: vectorized building and parsing agree with dosa.wire, packet by packet."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from dosa import wire
 from dosa.wire import Flags, PacketType, PartitionMap
-from host_lib.packetizer import (
+from dosa.packetizer import (
     packetize, packetize_dense_result, packetize_partition_result, packetize_results, parse_batch,
     results_to_dense, results_to_sparse,
 )
@@ -252,7 +252,7 @@ def test_vectorized_validation_agrees_with_wire(byte, value, length_delta, ptype
 
 
 def test_status_packets_parse_back():
-    from host_lib.packetizer import packetize_status
+    from dosa.packetizer import packetize_status
 
     b = packetize_status([3, 0, 7], [5, 5, 6], [[1, 2], [], [63]], job_id=9)
     p = parse_batch(b)

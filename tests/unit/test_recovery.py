@@ -10,7 +10,7 @@ import pytest
 
 from dosa.job import JobConfig
 from dpu_fw.worker import DpuWorker
-from host_lib import client as client_mod
+from host_lib import round as round_mod
 from host_lib.client import AggregationClient
 from host_lib.rto import GRANULARITY_S, RttEstimator
 
@@ -59,7 +59,7 @@ def test_a_lost_data_packet_is_nacked_by_the_dpu_and_the_sum_stays_exact(monkeyp
     # a long RTO: only the DPU's NACK can recover the lost packet quickly; the test asserts that it
     # was the NACK (a counter), never a time
     cs = [AggregationClient(job, worker_id=i, timeout=30.0, retx_interval=5.0) for i in range(2)]
-    orig = client_mod._Round._send
+    orig = round_mod.Round._send
     dropped = []
 
     def lossy(self, rows):  # host 1 loses the first packet of partition 0, once
@@ -71,7 +71,7 @@ def test_a_lost_data_packet_is_nacked_by_the_dpu_and_the_sum_stays_exact(monkeyp
                 rows = np.asarray([r for r in np.asarray(rows).tolist() if r != first[0]], np.int64)
         return orig(self, rows)
 
-    monkeypatch.setattr(client_mod._Round, "_send", lossy)
+    monkeypatch.setattr(round_mod.Round, "_send", lossy)
     rng = np.random.default_rng(1)
     ins = [(np.sort(rng.choice(job.numel, 3000, replace=False)).astype(np.uint32),
             rng.integers(-500, 500, 3000).astype(np.int32)) for _ in range(2)]

@@ -1,5 +1,5 @@
 """dosa.scapy_layer: packets built with scapy are byte-identical to dosa.wire.build_packet, and scapy
-dissects what dosa.wire and host_lib.packetizer produce, field for field."""
+dissects what dosa.wire and dosa.packetizer produce, field for field."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +13,7 @@ from scapy.packet import Padding
 from dosa import wire
 from dosa.scapy_layer import BLOCK_FIELDS, Dosa, bind_port
 from dosa.wire import Flags, Header, PacketType, PartitionMap
-from host_lib.packetizer import packetize
+from dosa.packetizer import packetize
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -403,7 +403,7 @@ def _raise_for(batch: PacketBatch, i: int) -> None:
     except ProtocolError as e:
         raise type(e)(f"packet {i}: {e}") from None
     raise ProtocolError(f"packet {i}: rejected by the vectorized checks but accepted by dosa.wire "
-                        "(a bug in host_lib.packetizer)")
+                        "(a bug in dosa.packetizer)")
 
 
 def parse_batch(batch: PacketBatch, *, on_error: str = "raise") -> ParsedPackets:
@@ -439,7 +439,7 @@ def parse_batch(batch: PacketBatch, *, on_error: str = "raise") -> ParsedPackets
     indices = np.empty(m, np.uint32)
     values = np.empty(m, np.int32)
     if m:
-        # one Cython pass (host_lib._net.decode_entries) with the layout from dosa.wire: sparse
+        # one Cython pass (dosa._net.decode_entries) with the layout from dosa.wire: sparse
         # types' u16 offsets after the header and values at wire.value_offset; every other type one
         # block of 4-byte words after the header, decoded as a dense run from 0 and, for
         # RETX_REQUEST / STATUS, moved into ``indices`` (their entries are u32 seqs / worker ids)

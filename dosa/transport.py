@@ -1,5 +1,5 @@
 """UDP transport shared by hosts and DPU workers: one non-blocking socket, batched sends and receives
-of whole PacketBatches (Cython in ``host_lib/_net.pyx``: UDP GSO over sendmmsg, UDP GRO over
+of whole PacketBatches (Cython in ``dosa/_net.pyx``: UDP GSO over sendmmsg, UDP GRO over
 recvmmsg). The job both ends need is dosa.job.JobConfig; address tables and the multicast rule are
 dosa.net's.
 

@@ -14,7 +14,7 @@ one packet slot each, and what does not fit the caller's slots is kept for the n
 
 The GIL is released for the whole call, including the waits in poll(). The socket must be
 non-blocking: a full send buffer (EAGAIN/ENOBUFS) waits in poll(POLLOUT) until ``timeout`` runs out.
-Public wrapper: ``host_lib/transport.py`` (UdpEndpoint), which probes GSO/GRO once and falls back.
+Public wrapper: ``dosa/transport.py`` (UdpEndpoint), which probes GSO/GRO once and falls back.
 """
 from libc.errno cimport errno, EAGAIN, EINTR
 
@@ -442,10 +442,11 @@ def decode_entries(const uint8_t[:, ::1] data, const int64_t[::1] rows, const in
                    uint32_t[::1] out_idx, int32_t[::1] out_val):
     """Decode the entries of packets ``rows`` (in that order, ``count[k]`` each) into ``out_idx`` /
     ``out_val``; returns the number written. The layout comes from the caller (dosa.wire, through
-    host_lib.client): entry j of row k has index ``base[k]`` + the big-endian u16 at byte
-    ``offset_at[k] + 2 j`` of the slot (sparse) or ``base[k] + j`` when ``offset_at[k] < 0``
-    (dense), and the big-endian s32 value at byte ``value_at[k] + 4 j``. Rows whose entries would
-    not fit their slot stop the decoding (headers are validated before: never expected)."""
+    dosa.packetizer and host_lib.round): entry j of row k has index ``base[k]`` + the big-endian
+    u16 at byte ``offset_at[k] + 2 j`` of the slot (sparse) or ``base[k] + j`` when
+    ``offset_at[k] < 0`` (dense), and the big-endian s32 value at byte ``value_at[k] + 4 j``. Rows
+    whose entries would not fit their slot stop the decoding (headers are validated before: never
+    expected)."""
     cdef Py_ssize_t k, j, m = 0, n = rows.shape[0], cap = out_idx.shape[0], width = data.shape[1]
     cdef const uint8_t* po
     cdef const uint8_t* pv
