@@ -148,3 +148,43 @@ def add_select_abs_ge(float[::1] r, const float[::1] g, float t, uint32_t[::1] i
     with nogil:
         c = dosa_select(rp, gp, r.shape[0], t, ip, vp, cap, &bad, &first_bad)
     return c, bad, first_bad
+
+
+cdef extern from "<math.h>" nogil:
+    double rint(double x)
+    double ldexp(double x, int e)
+    double fabs(double x)
+    int isfinite(double x)
+
+
+def quantize_to_residual(const uint32_t[::1] idx, const float[::1] val, int s, double clip,
+                         float[::1] r, uint32_t[::1] idx_out, int[::1] q_out):
+    """The selected entries' fixed point and error feedback in one pass (host_lib.encoder):
+    ``q = rint(val * 2^s)`` (round half to even, exact scaling), ``r[idx] = val - q * 2^-s`` (in
+    float64, stored as float32), and the entries with ``q != 0`` compacted into ``idx_out``/``q_out``.
+
+    The same numbers as ``host_lib.quantize.quantize`` (its unclipped path). Returns the count kept,
+    or -1 when some ``|q|`` exceeds ``clip`` or a value is not finite: then nothing was written and
+    the caller takes the general path (clipping is rare: the scale is chosen to avoid it).
+    """
+    cdef Py_ssize_t n = idx.shape[0], i, c = 0
+    cdef double x, y
+    if val.shape[0] != n or idx_out.shape[0] < n or q_out.shape[0] < n:
+        raise ValueError("quantize_to_residual: idx, val and the outputs need one slot per entry")
+    cdef Py_ssize_t rn = r.shape[0]
+    with nogil:
+        for i in range(n):  # check first: on a clip or NaN nothing may be written
+            x = ldexp(<double>val[i], s)
+            if not isfinite(x) or fabs(rint(x)) > clip or idx[i] >= rn:
+                c = -1
+                break
+        if c == 0:
+            for i in range(n):
+                x = <double>val[i]
+                y = rint(ldexp(x, s))
+                r[idx[i]] = <float>(x - ldexp(y, -s))
+                if y != 0:
+                    idx_out[c] = idx[i]
+                    q_out[c] = <int>y
+                    c += 1
+    return c

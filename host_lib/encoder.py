@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from host_lib.compress import FAST_MIN_NUMEL, METHODS, FastStats, sample_size, select_topk, target_k
-from host_lib.quantize import _check_scale, dequantize, quantize
+from host_lib._select import quantize_to_residual
+from host_lib.quantize import _check_scale, clip_bound, dequantize, quantize
 
 BACKENDS = ("auto", "numpy", "torch")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -142,8 +143,16 @@ class RoundEncoder:
             g = self.u
         if self.backend == "numpy":
             gn = g.numpy() if g.dtype == torch.float32 else g.float().numpy()
+            rn = self.r.numpy()
             idx, vals = select_topk(gn, self.density, self.method, rng=self.rng,
-                                    residual_out=self.r.numpy(), stats=self.stats)
+                                    residual_out=rn, stats=self.stats)
+            if self.u is None:
+                # steps 4-6 in one Cython pass over the selected entries (quantize's numbers;
+                # -1: a clip or NaN, which the general path below handles and reports)
+                idx_out, q_out = np.empty(len(idx), np.uint32), np.empty(len(idx), np.int32)
+                c = quantize_to_residual(idx, vals, s, float(clip_bound(self.workers)), rn, idx_out, q_out)
+                if c >= 0:
+                    return EncodedRound(idx_out[:c], q_out[:c], s)
             idx_dev = torch.from_numpy(idx.astype(np.int64))
         else:
             idx_dev, vals_dev = _select_torch(self.r, g, target_k(self.numel, self.density),

@@ -93,3 +93,34 @@ def test_bad_gradients_are_refused_in_one_sentence():
         enc.encode(torch.zeros(5), 0)
     with pytest.raises(ValueError, match="numpy backend runs on the CPU only"):
         RoundEncoder(4, 0.5, 2, device="meta", backend="numpy")
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_fused_quantize_pass_gives_quantizes_numbers(clip):
+    """The numpy backend's one Cython pass (quantize + residual + drop zeros) against
+    host_lib.quantize.quantize on the same selection: identical q, indices and residual, with
+    ties at exactly half a step (round half to even) and, with ``clip``, sums past the clip bound
+    (which take the general path)."""
+    from host_lib.quantize import quantize
+
+    rng = np.random.default_rng(3)
+    n, s = 100_000, 4  # a coarse step: many selected entries round to 0 (selected, not sent)
+    g = (rng.standard_normal(n) * 0.1 * 2.0 ** -s).astype(np.float32)
+    g[::97] = (rng.integers(-40, 40, len(g[::97])) + 0.5) * 2.0 ** -s  # exact ties
+    if clip:
+        g[7] = 2.0 ** 31 / 4 * 2.0 ** -s * 3  # |q| > INT32_MAX // 4
+    enc = RoundEncoder(n, 0.05, 4, "exact", backend="numpy")
+    ref = RoundEncoder(n, 0.05, 4, "exact", backend="numpy")
+    e = enc.encode(g, s)
+    # the reference: the same selection, quantized by quantize()
+    from host_lib.compress import select_topk
+    r = ref.residual
+    idx, vals = select_topk(g, 0.05, "exact", residual_out=r)
+    q, rem = quantize(vals, s, 4)
+    r[idx] = rem
+    nz = q != 0
+    assert (~nz).sum() > 1000  # the zeros are dropped
+    np.testing.assert_array_equal(e.indices, idx[nz])
+    np.testing.assert_array_equal(e.values, q[nz])
+    np.testing.assert_array_equal(enc.residual, r)
+    assert e.values.dtype == np.int32 and e.indices.dtype == np.uint32
