@@ -439,15 +439,17 @@ def recv_batch(int fd, uint8_t[:, ::1] data, int64_t[::1] lengths, uint32_t[::1]
 
 def decode_entries(const uint8_t[:, ::1] data, const int64_t[::1] rows, const int64_t[::1] count,
                    const int64_t[::1] base, const int64_t[::1] offset_at, const int64_t[::1] value_at,
-                   uint32_t[::1] out_idx, int32_t[::1] out_val):
+                   uint32_t[::1] out_idx, int32_t[::1] out_val, bint skip_dense_zeros=False):
     """Decode the entries of packets ``rows`` (in that order, ``count[k]`` each) into ``out_idx`` /
     ``out_val``; returns the number written. The layout comes from the caller (dosa.wire, through
     dosa.packetizer and host_lib.round): entry j of row k has index ``base[k]`` + the big-endian
     u16 at byte ``offset_at[k] + 2 j`` of the slot (sparse) or ``base[k] + j`` when
     ``offset_at[k] < 0`` (dense), and the big-endian s32 value at byte ``value_at[k] + 4 j``. Rows
-    whose entries would not fit their slot stop the decoding (headers are validated before: never
-    expected)."""
+    whose entries would not fit their slot make it return -1 (headers are validated before: never
+    expected). ``skip_dense_zeros``: a dense run's zero values are not written (a result's dense
+    run carries the zero sums of its span too, and they are no entries)."""
     cdef Py_ssize_t k, j, m = 0, n = rows.shape[0], cap = out_idx.shape[0], width = data.shape[1]
+    cdef int32_t v
     cdef const uint8_t* po
     cdef const uint8_t* pv
     cdef int64_t c, b
@@ -461,6 +463,7 @@ def decode_entries(const uint8_t[:, ::1] data, const int64_t[::1] rows, const in
             b = base[k]
             if c < 0 or m + c > cap or value_at[k] < 0 or value_at[k] + 4 * c > width \
                     or offset_at[k] + 2 * c > width or rows[k] < 0 or rows[k] >= data.shape[0]:
+                m = -1
                 break
             pv = &data[rows[k], value_at[k]]
             if offset_at[k] >= 0:
@@ -474,10 +477,13 @@ def decode_entries(const uint8_t[:, ::1] data, const int64_t[::1] rows, const in
                     m += 1
             else:
                 for j in range(c):
-                    out_idx[m] = <uint32_t>(b + j)
-                    out_val[m] = <int32_t>((<uint32_t>pv[0] << 24) | (<uint32_t>pv[1] << 16)
-                                           | (<uint32_t>pv[2] << 8) | pv[3])
+                    v = <int32_t>((<uint32_t>pv[0] << 24) | (<uint32_t>pv[1] << 16)
+                                  | (<uint32_t>pv[2] << 8) | pv[3])
                     pv += 4
+                    if skip_dense_zeros and v == 0:
+                        continue
+                    out_idx[m] = <uint32_t>(b + j)
+                    out_val[m] = v
                     m += 1
     return m
 

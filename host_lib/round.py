@@ -125,14 +125,13 @@ class Round:
         offset_at = np.where(dense, -1, wire.HDR_LEN).astype(np.int64)
         value_at = np.where(dense, wire.HDR_LEN, wire.value_offset(count)).astype(np.int64)
         idx, val = np.empty(m, np.uint32), np.empty(m, np.int32)
-        if _net.decode_entries(data, order.astype(np.int64), count, hdr["base"].astype(np.int64),
-                               offset_at, value_at, idx, val) != m:
+        # a dense run carries the zero sums of its span too: they are no entries (not written)
+        m = _net.decode_entries(data, order.astype(np.int64), count, hdr["base"].astype(np.int64),
+                                offset_at, value_at, idx, val, True)
+        if m < 0:
             raise DosaError("result packets with more entries than their slots (a bug: headers "
                             "are validated before)")
-        if dense.any():  # a dense run carries the zero sums of its span too: they are no entries
-            keep = ~(np.repeat(dense, count) & (val == 0))
-            idx, val = idx[keep], val[keep]
-            m = len(idx)
+        idx, val = idx[:m], val[:m]
         if m > 1 and not bool((idx[1:] > idx[:-1]).all()):  # not expected from a DPU: sort anyway
             o = np.argsort(idx, kind="stable")
             idx, val = idx[o], val[o]
