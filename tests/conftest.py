@@ -4,10 +4,24 @@ Tests marked ``root`` are skipped, with that reason, when not run as root; CI ru
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import uuid
 
 import pytest
+
+
+def pytest_configure(config):
+    """A SIGTERM (CI's timeout, a killed job) stops the run like Ctrl-C: the test in progress is
+    interrupted with KeyboardInterrupt, so its fixtures' teardown still deletes namespaces, unpins
+    dataplane instances and stops the processes it started (SIGTERM's default would kill pytest
+    and leave all of them behind)."""
+    def _interrupt(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
+        raise KeyboardInterrupt("SIGTERM")
+
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _interrupt)
 
 
 def pytest_collection_modifyitems(config, items):
