@@ -15,13 +15,20 @@ def pytest_configure(config):
     """A SIGTERM (CI's timeout, a killed job) stops the run like Ctrl-C: the test in progress is
     interrupted with KeyboardInterrupt, so its fixtures' teardown still deletes namespaces, unpins
     dataplane instances and stops the processes it started (SIGTERM's default would kill pytest
-    and leave all of them behind)."""
+    and leave all of them behind). Only in pytest's own process: a child forked from it (pyroute2's
+    namespace helpers are) gets SIGTERM's default back, or it would survive its parent's stop."""
+    main_pid = os.getpid()
+
     def _interrupt(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
+        if os.getpid() != main_pid:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         raise KeyboardInterrupt("SIGTERM")
 
     if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, _interrupt)
+        os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
 
 
 def pytest_collection_modifyitems(config, items):
