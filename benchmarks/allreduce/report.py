@@ -19,7 +19,7 @@ SCHEMA = "dosa-bench-allreduce/1"
 REFERENCE = "dosa_xdp"
 PHASES = ("transport", "end_to_end")
 #: Order of methods in tables and plots; others follow alphabetically.
-ORDER = ("dosa_xdp", "dosa_xdp_gtopk", "dosa_userspace", "gloo_dense", "gloo_sparse_allgather", "limit")
+ORDER = ("dosa_xdp", "dosa_xdp_gtopk", "dosa_userspace", "gloo_dense", "gloo_sparse_allgather", "dgc_allgather", "limit")
 
 
 def stat(rec: dict, phase: str = "transport", key: str = "median_s") -> float | None:

@@ -32,7 +32,7 @@ def test_bench_cli_loopback_schema_and_sums(tmp_path, capsys):
     R.validate(disk)
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     run = disk["runs"][0]
-    assert run["hosts"] == 3 and set(run["methods"]) == {"gloo_dense", "gloo_sparse_allgather", "limit"}
+    assert run["hosts"] == 3 and set(run["methods"]) == {*B.METHODS, "limit"}
     assert set(disk["methods"]) == set(run["methods"])
     assert 0 < run["overlap"]["mean_pairwise_jaccard"] < 1
     for name in B.METHODS:
@@ -95,7 +95,7 @@ def test_bench_cli_with_dosa_xdp(tmp_path, capsys):
     doc = json.loads((tmp_path / "j.json").read_text())
     R.validate(doc)
     ms = doc["methods"]
-    assert set(ms) == {"dosa_xdp", "gloo_dense", "gloo_sparse_allgather", "limit"}
+    assert set(ms) == {"dosa_xdp", *B.METHODS, "limit"}
     for name in ("dosa_xdp", *B.METHODS):
         assert ms[name]["check"]["ok"], (name, ms[name]["check"])
         assert "transport" in ms[name]["ratio_to_dosa_xdp"]
