@@ -15,7 +15,6 @@ The same class backs the CLI (``dosa testbed ...``), the tests and the benchmark
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -345,12 +344,13 @@ class Testbed:
             out["stale_namespaces"] = live  # namespaces without a state file: run `down`
             return out
         nodes = []
+        nl = Netlink()  # one netlink socket per namespace for every read below
         for n in st["nodes"]:
             exists = ns.netns_exists(n["namespace"])
             nodes.append({"name": f"{n['role'][0]}{n['index']}", "role": n["role"], "index": n["index"],
                           "namespace": n["namespace"], "exists": exists, "address": n["address"],
                           "cpus": st["host_cpus"] if n["role"] == "host" else st["dpu_cpus"],
-                          "interfaces": _interfaces(n["namespace"]) if exists else []})
+                          "interfaces": nl.interfaces(n["namespace"]) if exists else []})
         fab = st["fabric_ns"]
         fab_exists = ns.netns_exists(fab)
         procs = [{**{k: r[k] for k in ("name", "node", "namespace", "pid", "argv", "log")},
@@ -364,12 +364,13 @@ class Testbed:
             "up": st.get("status") == "up" and fab_exists and all(x["exists"] for x in nodes),
             "config": cfg, "nodes": nodes,
             "fabric": {"namespace": fab, "exists": fab_exists, "bridge": st["bridge"],
-                       "interfaces": _interfaces(fab) if fab_exists else []},
+                       "interfaces": nl.interfaces(fab) if fab_exists else []},
             "processes": procs,
             "dpu_napi_threads": st.get("dpu_napi_threads", []),
             "stale_namespaces": sorted(set(live) - {x["namespace"] for x in nodes} - {fab}),
             "env": self.job_env(0, st) if st.get("status") == "up" else None,
         })
+        nl.close()
         return out
 
     # ------------------------------------------------------------------ jobs
@@ -493,24 +494,3 @@ def _tail(path: str, lines: int = 1) -> str:
     except OSError:
         return "no log"
     return " | ".join(text[-lines:]) if text else "no output"
-
-
-def _interfaces(namespace: str) -> list[dict]:
-    out = []
-    qd: dict[str, list[str]] = {}
-    p = ns.sh(["tc", "-j", "-n", namespace, "qdisc", "show"], check=False)
-    if p.returncode == 0 and p.stdout.strip():
-        for q in json.loads(p.stdout):
-            qd.setdefault(q.get("dev"), []).append(q.get("kind"))
-    for link in ns.ip_json("-d", "addr", "show", ns=namespace):
-        if link.get("ifname") == "lo":
-            continue
-        xdp = link.get("xdp")
-        out.append({
-            "name": link.get("ifname"), "mac": link.get("address"), "mtu": link.get("mtu"),
-            "up": "UP" in link.get("flags", []), "master": link.get("master"),
-            "addresses": [f"{a['local']}/{a['prefixlen']}" for a in link.get("addr_info", [])
-                          if a.get("family") == "inet"],
-            "xdp": bool(xdp), "xdp_prog": (xdp or {}).get("prog", {}).get("id") if xdp else None,
-            "qdiscs": qd.get(link.get("ifname"), [])})
-    return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 
 from pyroute2 import NetNS, netns
 from pyroute2.netlink.exceptions import NetlinkError
@@ -20,6 +21,8 @@ from pyroute2.netlink.exceptions import NetlinkError
 from dosa.errors import DosaError
 
 from . import ns as _ns
+
+IFF_UP = 0x1
 
 def _trace(cmd: str) -> None:
     if _ns.TRACE:
@@ -145,3 +148,38 @@ class Netlink:
         """``tc -n NAME qdisc replace dev DEV root pfifo limit N``."""
         cmd = f"tc -n {name} qdisc replace dev {dev} root pfifo limit {limit}"
         self._do(cmd, lambda: self._in(name).tc("replace", "pfifo", self._index(name, dev, cmd), limit=int(limit)))
+
+    # ------------------------------------------------------------------------------------- reads
+    def interfaces(self, name: str) -> list[dict]:
+        """``ip -d addr show`` + ``tc qdisc show`` of namespace ``name`` as testbed.status() reports
+        them: every link but lo with its MAC, MTU, up flag, bridge master, IPv4 addresses, XDP
+        program and qdisc kinds (one netlink dump each instead of two processes)."""
+        _trace(f"ip -n {name} -d addr show; tc -n {name} qdisc show")
+        try:
+            s = self._in(name)
+            links = list(s.get_links())
+            addrs = list(s.get_addr(family=socket.AF_INET))
+            qdiscs = list(s.get_qdiscs())
+        except (NetlinkError, OSError) as e:
+            raise _fail(f"ip -n {name} addr show", e) from None
+        names = {m["index"]: m.get_attr("IFLA_IFNAME") for m in links}
+        inet: dict[int, list[str]] = {}
+        for a in addrs:
+            inet.setdefault(a["index"], []).append(f"{a.get_attr('IFA_LOCAL') or a.get_attr('IFA_ADDRESS')}"
+                                                   f"/{a['prefixlen']}")
+        kinds: dict[int, list[str]] = {}
+        for q in qdiscs:
+            kinds.setdefault(q["index"], []).append(q.get_attr("TCA_KIND"))
+        out = []
+        for m in links:
+            dev = m.get_attr("IFLA_IFNAME")
+            if dev == "lo":
+                continue
+            xdp = m.get_attr("IFLA_XDP")
+            prog = xdp.get_attr("IFLA_XDP_PROG_ID") if xdp is not None else None
+            master = m.get_attr("IFLA_MASTER")
+            out.append({"name": dev, "mac": m.get_attr("IFLA_ADDRESS"), "mtu": m.get_attr("IFLA_MTU"),
+                        "up": bool(m["flags"] & IFF_UP), "master": names.get(master) if master else None,
+                        "addresses": inet.get(m["index"], []), "xdp": bool(prog), "xdp_prog": prog or None,
+                        "qdiscs": kinds.get(m["index"], [])})
+        return out

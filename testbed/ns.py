@@ -4,7 +4,6 @@ processes inside them, kill processes safely. The topology steps pyroute2 serves
 prints each step as the iproute2 command that replays it by hand."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -37,13 +36,6 @@ def sh(argv: list[str], check: bool = True, what: str | None = None) -> subproce
 
 def ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     return sh(["ip", *(["-n", ns] if ns else []), *args], check=check)
-
-
-def ip_json(*args: str, ns: str | None = None):
-    p = sh(["ip", "-j", *(["-n", ns] if ns else []), *args], check=False)
-    if p.returncode != 0 or not p.stdout.strip():
-        return []
-    return json.loads(p.stdout)
 
 
 def tc(*args: str, ns: str) -> subprocess.CompletedProcess:

@@ -85,7 +85,12 @@ def test_same_launch_five_times_then_a_crash_and_at_once_again(tmp_path):
 
 def test_restart_of_a_dpu_worker_is_recorded_and_it_serves_again(tmp_path):
     with scratch_testbed(hosts=2, dpus=1) as tb:
-        before = {p["name"]: p for p in tb.status()["processes"]}["d0-dpu"]
+        st = tb.status()
+        before = {p["name"]: p for p in st["processes"]}["d0-dpu"]
+        # status reads interfaces over netlink: the same as iproute2's own view, XDP included
+        d0 = {n["name"]: n for n in st["nodes"]}["d0"]
+        assert d0["interfaces"] == _iproute2_interfaces(d0["namespace"])
+        assert any(i["xdp"] and i["xdp_prog"] for i in d0["interfaces"]), d0["interfaces"]
         out = _cli(tb, "testbed", "restart", "d0").stdout
         assert "restarted d0-dpu" in out and "(restart 1)" in out
         after = {p["name"]: p for p in tb.status()["processes"]}["d0-dpu"]
@@ -94,3 +99,24 @@ def test_restart_of_a_dpu_worker_is_recorded_and_it_serves_again(tmp_path):
         _run(tb, tmp_path, "after-restart", job_id=78)
         p = _cli(tb, "testbed", "restart", "h0", check=False)
         assert p.returncode == 2 and "'h0' is not a DPU" in p.stderr and "Traceback" not in p.stderr
+
+
+def _iproute2_interfaces(namespace: str) -> list[dict]:
+    """testbed.status()'s interface records, built from ``ip -j -d addr`` and ``tc -j qdisc``."""
+    qd: dict = {}
+    for q in json.loads(subprocess.run(["tc", "-j", "-n", namespace, "qdisc", "show"], check=True,
+                                       capture_output=True, text=True).stdout or "[]"):
+        qd.setdefault(q.get("dev"), []).append(q.get("kind"))
+    out = []
+    for link in json.loads(subprocess.run(["ip", "-j", "-n", namespace, "-d", "addr", "show"], check=True,
+                                          capture_output=True, text=True).stdout):
+        if link.get("ifname") == "lo":
+            continue
+        xdp = link.get("xdp")
+        out.append({"name": link.get("ifname"), "mac": link.get("address"), "mtu": link.get("mtu"),
+                    "up": "UP" in link.get("flags", []), "master": link.get("master"),
+                    "addresses": [f"{a['local']}/{a['prefixlen']}" for a in link.get("addr_info", [])
+                                  if a.get("family") == "inet"],
+                    "xdp": bool(xdp), "xdp_prog": (xdp or {}).get("prog", {}).get("id") if xdp else None,
+                    "qdiscs": qd.get(link.get("ifname"), [])})
+    return out
