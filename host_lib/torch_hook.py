@@ -15,8 +15,9 @@ What one training step does (details and the reasons in ``docs/training.md``):
 * **Overlap** (``overlap=True``, the default): the step is one streaming round
   (``host_lib.stream.SparseStream``). A bucket's entries go out as soon as DDP hands the bucket
   over, for every partition the buckets seen so far cover completely; its future completes (in the
-  stream's thread) as soon as the partitions it overlaps are back, so the hook returns to backward
-  after encoding and sending. ``overlap=False`` parks every bucket until the last one and runs one
+  stream's thread) as soon as the partitions it overlaps are back. Encoding and sending run on the
+  step's encoding thread (``_EncodeWorker``), buckets in order, so the hook returns to backward at
+  once and waits only at the step's last bucket for that thread to finish. ``overlap=False`` parks every bucket until the last one and runs one
   blocking round (the same encoders and bytes: the baseline of the overlap measurement).
 * The result is written into each bucket's buffer as ``sum / world_size`` (DDP averages); in
   ``gtopk`` jobs what this host sent but the DPU did not return goes back into the residual.
@@ -31,6 +32,8 @@ What one training step does (details and the reasons in ``docs/training.md``):
 
 import logging
 import math
+import queue
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -116,8 +119,54 @@ class _Step:
         self.max_abs: list[float] = []  #: largest |sum| of each bucket's result (next round's scale)
         self.parked: list[tuple[int, torch.Tensor, torch.futures.Future]] = []
         self.stream = None
+        self.encoder: _EncodeWorker | None = None  #: overlap: the thread encoding this step's buckets
         self.carry_idx = np.zeros(0, np.uint32)  #: entries of a partition the next bucket completes
         self.carry_q = np.zeros(0, np.int32)
+
+
+class _EncodeWorker:
+    """The step's encoding thread (overlap): each bucket is encoded and its complete partitions
+    handed to the stream in the order DDP hands the buckets over, while backward goes on computing
+    the next ones (the selection pass and the quantization release the GIL). The hook waits for it
+    only at the step's last bucket, so that is all it blocks backward for.
+
+    Not a daemon, for the stream thread's reason (host_lib.stream: it completes torch futures, and
+    a daemon thread inside libtorch at exit aborts the process); it also ends once the main thread
+    has (a step abandoned by an exception never sends its last bucket)."""
+
+    def __init__(self):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._t = threading.Thread(target=self._run, name="dosa-encode", daemon=False)
+        self._t.start()
+
+    def submit(self, fn: Callable[[], None], fut: torch.futures.Future) -> None:
+        self._q.put((fn, fut))
+
+    def finish(self) -> None:
+        """Wait until every submitted bucket is encoded and sent (or failed)."""
+        self._q.put(None)
+        self._t.join()
+
+    def _run(self) -> None:
+        main = threading.main_thread()
+        while True:
+            try:
+                item = self._q.get(timeout=0.5)
+            except queue.Empty:
+                if not main.is_alive():
+                    return
+                continue
+            if item is None:
+                return
+            fn, fut = item
+            if self._error is None:
+                try:
+                    fn()
+                    continue
+                except BaseException as e:  # noqa: BLE001 - DDP re-raises it from the future
+                    self._error = e
+            fut.set_exception(self._error)
 
 
 class DosaHookState:
@@ -313,6 +362,8 @@ class DosaHookState:
 
     def close(self) -> None:
         """Leave the dosa job (idempotent)."""
+        if self._step is not None and self._step.encoder is not None:
+            self._step.encoder.finish()
         stream, self._last_stream = self._last_stream, None
         if stream is not None:
             try:
@@ -362,39 +413,48 @@ class DosaHookState:
 
     def _stream_bucket(self, step: _Step, bucket, buf: torch.Tensor, enc: RoundEncoder,
                        last: bool) -> torch.futures.Future:
-        """Encode the bucket, send every partition the buckets so far cover, return a future that
-        the stream's thread completes when the bucket's partitions are back."""
+        """Queue the bucket on the step's encoding thread (which encodes it and sends every
+        partition the buckets so far cover) and return a future that the stream's thread completes
+        when the bucket's partitions are back. At the last bucket, wait for the encoding thread."""
         client = self._client
         if step.stream is None:
             step.stream = client.open_stream(step.scale_exp)
             self._last_stream = step.stream
+            step.encoder = _EncodeWorker()
         pmap = client.pmap
         psize, P = pmap.partition_size, pmap.num_partitions
         off, n = step.offset, buf.numel()
         step.offset += n
-        sent = enc.encode(buf, step.scale_exp)
-        step.entries += len(sent)
-        idx = np.concatenate([step.carry_idx, (sent.indices.astype(np.int64) + off).astype(np.uint32)])
-        q = np.concatenate([step.carry_q, sent.values])
-        upto = P if last else (off + n) // psize
-        cut = int(np.searchsorted(idx, upto * psize)) if not last else len(idx)
-        step.stream.send(idx[:cut], q[:cut], upto)
-        step.carry_idx, step.carry_q = idx[cut:], q[cut:]
         lo, hi = off // psize, (P if last else -(-(off + n) // psize))
         fut: torch.futures.Future = torch.futures.Future()
-        s, max_abs = step.scale_exp, step.max_abs
+        s, max_abs, stream = step.scale_exp, step.max_abs, step.stream
 
-        def done(cf):
-            try:
-                ridx, sums = cf.result()
-                a, b = np.searchsorted(ridx, [off, off + n])
-                self._deliver(enc, sent, buf, ridx[a:b].astype(np.int64) - off, sums[a:b], s, max_abs)
-            except BaseException as e:  # noqa: BLE001 - DDP re-raises it from the future
-                fut.set_exception(e)
-                return
-            fut.set_result(buf)
+        def encode_and_send():  # on the encoding thread, buckets in order
+            sent = enc.encode(buf, s)
+            step.entries += len(sent)
+            idx = np.concatenate([step.carry_idx, (sent.indices.astype(np.int64) + off).astype(np.uint32)])
+            q = np.concatenate([step.carry_q, sent.values])
+            upto = P if last else (off + n) // psize
+            cut = int(np.searchsorted(idx, upto * psize)) if not last else len(idx)
+            stream.send(idx[:cut], q[:cut], upto)
+            step.carry_idx, step.carry_q = idx[cut:], q[cut:]
 
-        step.stream.wait_for(lo, hi).add_done_callback(done)
+            def done(cf):  # on the stream's thread
+                try:
+                    ridx, sums = cf.result()
+                    a, b = np.searchsorted(ridx, [off, off + n])
+                    self._deliver(enc, sent, buf, ridx[a:b].astype(np.int64) - off, sums[a:b], s, max_abs)
+                except BaseException as e:  # noqa: BLE001 - DDP re-raises it from the future
+                    fut.set_exception(e)
+                    return
+                fut.set_result(buf)
+
+            stream.wait_for(lo, hi).add_done_callback(done)
+
+        step.encoder.submit(encode_and_send, fut)
+        if last:
+            step.encoder.finish()  # every entry of the step is out (and counted in step.entries)
+            step.encoder = None
         return fut
 
     def _run_parked(self, step: _Step) -> None:
