@@ -132,6 +132,34 @@ def scatter_add(int64_t[::1] buf, const uint32_t[::1] idx, const int32_t[::1] va
     return nbad
 
 
+cdef inline Py_ssize_t _extract(const int64_t* buf, Py_ssize_t n, int64_t base_index, uint32_t* oi,
+                                int32_t* os, Py_ssize_t* nsat) noexcept nogil:
+    """Non-zeros of buf[0:n] to oi/os (absolute index, s32 sum saturated and counted in nsat);
+    returns how many. Blocks of 8 sums are OR-ed and skipped when all are zero."""
+    cdef Py_ssize_t i = 0, j, k = 0, nb = n - n % 8
+    cdef int64_t v
+    while i < n:
+        if i < nb and (buf[i] | buf[i + 1] | buf[i + 2] | buf[i + 3] | buf[i + 4] | buf[i + 5]
+                       | buf[i + 6] | buf[i + 7]) == 0:
+            i += 8
+            continue
+        j = i + 8 if i < nb else n
+        while i < j:
+            v = buf[i]
+            if v != 0:
+                oi[k] = <uint32_t>(base_index + i)
+                if v > 2147483647:
+                    v = 2147483647
+                    nsat[0] += 1
+                elif v < -2147483647:
+                    v = -2147483647
+                    nsat[0] += 1
+                os[k] = <int32_t>v
+                k += 1
+            i += 1
+    return k
+
+
 def extract_nonzero(const int64_t[::1] buf, int64_t base_index):
     """Non-zero sums of ``buf`` as (absolute u32 indices, s32 sums, number saturated).
 
@@ -142,34 +170,155 @@ def extract_nonzero(const int64_t[::1] buf, int64_t base_index):
     of sums a round, ~1-3 % of them non-zero): blocks of 8 sums are OR-ed and skipped when all are
     zero, and the non-zeros go to scratch arrays sized for the worst case, copied out at the end.
     """
-    cdef Py_ssize_t n = buf.shape[0], i, j, k = 0, nsat = 0, nb = n - n % 8
-    cdef int64_t v
+    cdef Py_ssize_t n = buf.shape[0], k = 0, nsat = 0
     scratch_i = np.empty(n, np.uint32)
     scratch_v = np.empty(n, np.int32)
     cdef uint32_t[::1] oi = scratch_i
     cdef int32_t[::1] os = scratch_v
-    with nogil:
-        i = 0
-        while i < n:
-            if i < nb and (buf[i] | buf[i + 1] | buf[i + 2] | buf[i + 3] | buf[i + 4] | buf[i + 5]
-                           | buf[i + 6] | buf[i + 7]) == 0:
-                i += 8
-                continue
-            j = i + 8 if i < nb else n
-            while i < j:
-                v = buf[i]
-                if v != 0:
-                    oi[k] = <uint32_t>(base_index + i)
-                    if v > 2147483647:
-                        v = 2147483647
-                        nsat += 1
-                    elif v < -2147483647:
-                        v = -2147483647
-                        nsat += 1
-                    os[k] = <int32_t>v
-                    k += 1
-                i += 1
+    if n:
+        with nogil:
+            k = _extract(&buf[0], n, base_index, &oi[0], &os[0], &nsat)
     return scratch_i[:k].copy(), scratch_v[:k].copy(), nsat
+
+
+def extract_many(list bufs, const int64_t[::1] base_index, uint32_t[::1] out_idx,
+                 int32_t[::1] out_val, int64_t[::1] starts, int64_t[::1] nsat):
+    """extract_nonzero over several buffers in one call: the non-zeros of ``bufs[k]`` (an int64
+    array whose element i is index ``base_index[k] + i``) go to ``out_idx/out_val[starts[k] :
+    starts[k+1]]``, packed one partition after the other; ``nsat[k]`` counts its saturated sums.
+    ``out_*`` must hold the sum of the buffers' lengths (the worst case). Returns the total."""
+    cdef Py_ssize_t nb = len(bufs), k, n, pos = 0, cap = out_idx.shape[0], ns
+    cdef const int64_t[::1] b
+    if base_index.shape[0] < nb or starts.shape[0] < nb + 1 or nsat.shape[0] < nb \
+            or out_val.shape[0] < cap:
+        raise ValueError("extract_many: output arrays shorter than the list of buffers")
+    starts[0] = 0
+    for k in range(nb):
+        b = bufs[k]
+        n = b.shape[0]
+        if pos + n > cap:
+            raise ValueError(f"extract_many: scratch of {cap} entries is too small")
+        ns = 0
+        if n:
+            with nogil:
+                pos += _extract(&b[0], n, base_index[k], &out_idx[pos], &out_val[pos], &ns)
+        nsat[k] = ns
+        starts[k + 1] = pos
+    return pos
+
+
+# SPARSE_RESULT layout, from dosa.wire (read here, checked at import below; never restated): the
+# header fields' byte offsets and sizes, the value block's position and the payload length.
+from dosa import wire as _wire
+
+cdef dict _F = {name: _wire.HEADER_DTYPE.fields[name][1] for name in _wire.HEADER_DTYPE.names}
+cdef Py_ssize_t H_MAGIC = _F["magic"], H_VERSION = _F["version"], H_TYPE = _F["type"]
+cdef Py_ssize_t H_FLAGS = _F["flags"], H_JOB = _F["job_id"], H_WORKER = _F["worker_id"]
+cdef Py_ssize_t H_PART = _F["partition"], H_ROUND = _F["round"], H_SEQ = _F["seq"]
+cdef Py_ssize_t H_COUNT = _F["count"], H_TOTAL = _F["total"], H_SCALE = _F["scale_exp"]
+cdef Py_ssize_t H_BASE = _F["base"], HDR = _wire.HDR_LEN
+cdef uint32_t MAGIC = _wire.MAGIC
+cdef uint8_t VERSION = _wire.VERSION
+cdef uint8_t T_SPARSE_RESULT = int(_wire.PacketType.SPARSE_RESULT)
+cdef uint16_t F_LAST = int(_wire.Flags.LAST)
+cdef uint16_t DPU_SENDER = _wire.DPU_SENDER_ID
+# the writer below stores each field at the width numpy's HEADER_DTYPE gives it, big-endian
+_WIDTH = {"magic": 4, "version": 1, "type": 1, "flags": 2, "job_id": 4, "worker_id": 2,
+          "partition": 2, "round": 4, "seq": 2, "count": 2, "total": 2, "scale_exp": 1, "base": 4}
+for _n, _w in _WIDTH.items():
+    _dt = _wire.HEADER_DTYPE.fields[_n][0]
+    if _dt.itemsize != _w or (_w > 1 and _dt.byteorder != ">"):
+        raise ImportError(f"dosa.wire header field {_n} is {_dt}, the result writer expects "
+                          f"{_w} bytes big-endian")
+if [(n, str(np.dtype(d))) for n, d in _wire.PAYLOAD_BLOCKS[_wire.PacketType.SPARSE_RESULT]] != \
+        [("offset", ">u2"), ("value", ">i4")]:
+    raise ImportError("dosa.wire's SPARSE_RESULT payload is no longer u16 offsets + s32 values")
+
+
+cdef inline Py_ssize_t _value_off(Py_ssize_t c) noexcept nogil:
+    # the u16 offsets block padded to 4 bytes (checked against wire.value_offset at import)
+    return HDR + 2 * c + 2 * (c & 1)
+
+
+cdef inline Py_ssize_t _length(Py_ssize_t c) noexcept nogil:
+    # checked against wire.payload_length(SPARSE_RESULT, c) at import
+    return _value_off(c) + 4 * c
+
+
+for _c in range(max(_wire.MAX_ENTRIES.values()) + 2):
+    if _value_off(_c) != _wire.value_offset(_c) or \
+            _length(_c) != _wire.payload_length(_wire.PacketType.SPARSE_RESULT, _c):
+        raise ImportError(f"dosa.wire's sparse layout at count {_c} differs from the result writer")
+
+
+cdef inline void _be16(uint8_t* p, uint32_t v) noexcept nogil:
+    p[0] = <uint8_t>(v >> 8)
+    p[1] = <uint8_t>v
+
+
+cdef inline void _be32(uint8_t* p, uint32_t v) noexcept nogil:
+    p[0] = <uint8_t>(v >> 24)
+    p[1] = <uint8_t>(v >> 16)
+    p[2] = <uint8_t>(v >> 8)
+    p[3] = <uint8_t>v
+
+
+def write_sparse_results(uint8_t[:, ::1] data, int64_t[::1] lengths, int64_t[::1] dest,
+                         const uint32_t[::1] idx, const int32_t[::1] vals,
+                         const int64_t[::1] starts, const int64_t[::1] parts,
+                         const int64_t[::1] base, const int64_t[::1] row_start, Py_ssize_t per_packet,
+                         uint32_t job_id, uint32_t rnd, int scale_exp, uint16_t flags,
+                         int64_t dest_value):
+    """SPARSE_RESULT packets of several partitions into a zeroed PacketBatch (``data``, ``lengths``,
+    ``dest``): partition k (number ``parts[k]``, entries ``idx/vals[starts[k] : starts[k+1]]``,
+    absolute indices sorted ascending, offsets from ``base[k]``) fills rows ``row_start[k] ..
+    row_start[k+1] - 1``, ``per_packet`` entries a packet with the short one last, exactly as
+    dosa.packetizer lays them out (at least one packet, an empty one for no entries)."""
+    cdef Py_ssize_t n_parts = parts.shape[0], k, r, npk, c, e, e0, i, vo, stride = data.shape[1]
+    cdef uint8_t* row
+    cdef int64_t b
+    if starts.shape[0] < n_parts + 1 or row_start.shape[0] < n_parts + 1 or base.shape[0] < n_parts:
+        raise ValueError("write_sparse_results: per-partition arrays shorter than parts")
+    if row_start[n_parts] > data.shape[0] or lengths.shape[0] < data.shape[0] \
+            or dest.shape[0] < data.shape[0]:
+        raise ValueError("write_sparse_results: the batch has fewer rows than the packets")
+    if per_packet < 1 or _length(per_packet) > stride:
+        raise ValueError(f"write_sparse_results: {per_packet} entries do not fit a {stride}-byte slot")
+    if starts[n_parts] > idx.shape[0] or vals.shape[0] < idx.shape[0]:
+        raise ValueError("write_sparse_results: starts beyond the entries")
+    with nogil:
+        for k in range(n_parts):
+            npk = row_start[k + 1] - row_start[k]
+            e0 = starts[k]
+            c = starts[k + 1] - e0
+            b = base[k]
+            if npk < 1 or npk * per_packet < c or (npk - 1) * per_packet > c - (c > 0):
+                with gil:
+                    raise ValueError(f"write_sparse_results: partition {parts[k]} has {c} entries "
+                                     f"but {npk} packets")
+            for r in range(npk):
+                row = &data[row_start[k] + r, 0]
+                e = e0 + r * per_packet
+                c = per_packet if starts[k + 1] - e > per_packet else starts[k + 1] - e
+                _be32(row + H_MAGIC, MAGIC)
+                row[H_VERSION] = VERSION
+                row[H_TYPE] = T_SPARSE_RESULT
+                _be16(row + H_FLAGS, flags | (F_LAST if r == npk - 1 else 0))
+                _be32(row + H_JOB, job_id)
+                _be16(row + H_WORKER, DPU_SENDER)
+                _be16(row + H_PART, <uint32_t>parts[k])
+                _be32(row + H_ROUND, rnd)
+                _be16(row + H_SEQ, <uint32_t>r)
+                _be16(row + H_COUNT, <uint32_t>c)
+                _be16(row + H_TOTAL, <uint32_t>npk)
+                row[H_SCALE] = <uint8_t><int8_t>scale_exp
+                _be32(row + H_BASE, <uint32_t>b)
+                vo = _value_off(c)
+                for i in range(c):
+                    _be16(row + HDR + 2 * i, <uint32_t>(<int64_t>idx[e + i] - b))
+                    _be32(row + vo + 4 * i, <uint32_t>vals[e + i])
+                lengths[row_start[k] + r] = _length(c)
+                dest[row_start[k] + r] = dest_value
 
 
 def clear_indices(int64_t[::1] buf, const uint32_t[::1] idx, int64_t base_index):

@@ -1,0 +1,134 @@
+"""The DPU's result fast path (dpu_fw.emit.build_results, the Cython extract_many +
+write_sparse_results) builds byte for byte the packets dosa.packetizer.packetize_results builds
+from the same sums."""
+import numpy as np
+import pytest
+
+from dosa import wire
+from dosa.packetizer import packetize_results, parse_batch
+from dosa.wire import Flags, PartitionMap
+from dpu_fw import _merge
+from dpu_fw.emit import Scratch, build_results
+
+
+def _buffers(pmap, parts, rng, density, sat=False):
+    bufs = []
+    for p in parts:
+        lo, hi = p * pmap.partition_size, min((p + 1) * pmap.partition_size, pmap.numel)
+        b = np.zeros(hi - lo, np.int64)
+        n = int(rng.binomial(hi - lo, density[p % len(density)]))
+        at = rng.choice(hi - lo, n, replace=False)
+        b[at] = rng.integers(-2**31 + 1, 2**31 - 1, n) // 4
+        if sat and n:
+            b[at[0]] = 2**33
+            b[at[-1]] = -2**35
+        bufs.append(b)
+    return bufs
+
+
+def _reference(bufs, parts, pmap, **kw):
+    idx, sums, nsat = [], [], 0
+    for p, b in zip(parts, bufs):
+        i, s, ns = _merge.extract_nonzero(b, p * pmap.partition_size)
+        idx.append(i)
+        sums.append(s)
+        nsat += ns
+    return packetize_results(np.concatenate(idx), np.concatenate(sums), pmap, partitions=parts,
+                             **kw), nsat
+
+
+def _same(a, b):
+    assert a.data.shape == b.data.shape
+    assert np.array_equal(a.lengths, b.lengths)
+    assert np.array_equal(a.dest, b.dest)
+    assert np.array_equal(a.data, b.data)  # whole slots, padding past the length included
+
+
+@pytest.mark.parametrize("mtu", [1500, 3500, 576])
+@pytest.mark.parametrize("sat", [False, True])
+def test_fast_path_is_byte_identical_to_packetize_results(mtu, sat):
+    rng = np.random.default_rng(mtu + sat)
+    # 7 partitions, the last 10007 entries long; empty, sparse, and multi-packet partitions
+    pmap = PartitionMap(numel=6 * 65536 + 10007, partition_size=65536)
+    parts = np.array([0, 1, 2, 4, 5, 6])
+    density = [0.0, 0.01, 0.05, 0.0005, 0.02, 0.03]
+    bufs = _buffers(pmap, parts, rng, density, sat)
+    kw = dict(job_id=7, round=12345, scale_exp=-5, flags=0, mtu=mtu)
+    res = build_results(bufs, parts, parts * 65536, pmap, scratch=Scratch(), **kw)
+    ref, nsat = _reference(bufs, parts, pmap, **kw)
+    assert res.fast
+    _same(res.batch, ref)
+    assert int(res.nsat.sum()) == nsat and (nsat > 0) == sat
+    # rows: partition k's packets, in order; idx/starts: its non-zeros
+    h = res.batch.headers()
+    for k, p in enumerate(parts):
+        sl = slice(res.rows[k], res.rows[k + 1])
+        assert (h["partition"][sl] == p).all() and list(h["seq"][sl]) == list(range(sl.stop - sl.start))
+        nz = np.flatnonzero(bufs[k]) + p * 65536
+        assert np.array_equal(res.idx[res.starts[k]:res.starts[k + 1]], nz)
+    assert (h["total"] > 1).any()  # multi-packet partitions were exercised
+    parse_batch(res.batch)  # and every packet is valid
+
+
+def test_gtopk_flag_header_fields_and_one_partition():
+    rng = np.random.default_rng(3)
+    pmap = PartitionMap(numel=3 * 65536, partition_size=65536)
+    parts = np.array([2])
+    bufs = _buffers(pmap, parts, rng, [0.004])
+    kw = dict(job_id=2**32 - 1, round=2**32 - 1, scale_exp=wire.SCALE_EXP_MAX,
+              flags=int(Flags.GTOPK | Flags.RETRANSMIT), mtu=1500)
+    res = build_results(bufs, parts, parts * 65536, pmap, **kw)
+    _same(res.batch, _reference(bufs, parts, pmap, **kw)[0])
+    kw["scale_exp"] = wire.SCALE_EXP_MIN
+    res = build_results(bufs, parts, parts * 65536, pmap, **kw)
+    _same(res.batch, _reference(bufs, parts, pmap, **kw)[0])
+
+
+def test_all_empty_and_no_partitions():
+    pmap = PartitionMap(numel=2 * 65536, partition_size=65536)
+    parts = np.array([0, 1])
+    bufs = [np.zeros(65536, np.int64), np.zeros(65536, np.int64)]
+    kw = dict(job_id=1, round=0, scale_exp=0, mtu=1500)
+    res = build_results(bufs, parts, parts * 65536, pmap, **kw)
+    assert res.fast and len(res.batch) == 2
+    _same(res.batch, _reference(bufs, parts, pmap, **kw)[0])
+    res = build_results([], np.zeros(0, np.int64), np.zeros(0, np.int64), pmap, **kw)
+    assert len(res.batch) == 0 and list(res.rows) == [0]
+
+
+def test_dense_partition_falls_back_to_packetize_results():
+    rng = np.random.default_rng(5)
+    pmap = PartitionMap(numel=3 * 65536, partition_size=65536)
+    parts = np.array([0, 1, 2])
+    bufs = _buffers(pmap, parts, rng, [0.01, 0.0, 0.01])
+    bufs[1][1000:3000] = rng.integers(1, 1000, 2000)  # a run denser than the break-even
+    kw = dict(job_id=3, round=4, scale_exp=1, mtu=1500)
+    res = build_results(bufs, parts, parts * 65536, pmap, **kw)
+    ref = _reference(bufs, parts, pmap, **kw)[0]
+    assert not res.fast
+    _same(res.batch, ref)
+    h = res.batch.headers()
+    assert (h["type"][res.rows[1]:res.rows[2]] == wire.PacketType.DENSE_RESULT).all()
+    for k, p in enumerate(parts):
+        assert (h["partition"][res.rows[k]:res.rows[k + 1]] == p).all()
+
+
+def test_too_many_entries_raise_like_packetize_results():
+    pmap = PartitionMap(numel=65536, partition_size=65536)
+    b = np.zeros(65536, np.int64)
+    b[::2] = 1  # 32768 entries over the whole span: sparse (1/2 < 2/3) needs > 256 packets at 576
+    with pytest.raises(ValueError, match="packets"):
+        build_results([b], np.array([0]), np.array([0]), pmap, job_id=1, round=0, scale_exp=0, mtu=576)
+
+
+def test_write_sparse_results_checks_its_arguments():
+    batch = wire.PacketBatch.empty(2, wire.stride_for_mtu(1500))
+    e = np.zeros(0, np.uint32)
+    with pytest.raises(ValueError, match="entries but"):
+        _merge.write_sparse_results(batch.data, batch.lengths, batch.dest, e, np.zeros(0, np.int32),
+                                    np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                                    np.array([0, 2]), 240, 1, 0, 0, 0, -1)
+    with pytest.raises(ValueError, match="do not fit"):
+        _merge.write_sparse_results(batch.data, batch.lengths, batch.dest, e, np.zeros(0, np.int32),
+                                    np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                                    np.array([0, 1]), 400, 1, 0, 0, 0, -1)
