@@ -135,28 +135,33 @@ def scatter_add(int64_t[::1] buf, const uint32_t[::1] idx, const int32_t[::1] va
 cdef inline Py_ssize_t _extract(const int64_t* buf, Py_ssize_t n, int64_t base_index, uint32_t* oi,
                                 int32_t* os, Py_ssize_t* nsat) noexcept nogil:
     """Non-zeros of buf[0:n] to oi/os (absolute index, s32 sum saturated and counted in nsat);
-    returns how many. Blocks of 8 sums are OR-ed and skipped when all are zero."""
-    cdef Py_ssize_t i = 0, j, k = 0, nb = n - n % 8
+    returns how many. Blocks of 8 sums are OR-ed and skipped when all are zero; the sums of a
+    block that is not are stored without a branch (the output index advances where non-zero), so
+    a few per cent of non-zeros, scattered, cost no mispredictions. oi/os must hold n entries."""
+    cdef Py_ssize_t i = 0, j, k = 0, ns = 0, nb = n - n % 8, end
     cdef int64_t v
+    cdef bint hi, lo
     while i < n:
-        if i < nb and (buf[i] | buf[i + 1] | buf[i + 2] | buf[i + 3] | buf[i + 4] | buf[i + 5]
-                       | buf[i + 6] | buf[i + 7]) == 0:
-            i += 8
-            continue
-        j = i + 8 if i < nb else n
-        while i < j:
-            v = buf[i]
-            if v != 0:
-                oi[k] = <uint32_t>(base_index + i)
-                if v > 2147483647:
-                    v = 2147483647
-                    nsat[0] += 1
-                elif v < -2147483647:
-                    v = -2147483647
-                    nsat[0] += 1
-                os[k] = <int32_t>v
-                k += 1
-            i += 1
+        if i < nb:
+            if (buf[i] | buf[i + 1] | buf[i + 2] | buf[i + 3] | buf[i + 4] | buf[i + 5]
+                    | buf[i + 6] | buf[i + 7]) == 0:
+                i += 8
+                continue
+            end = i + 8
+        else:
+            end = n
+        for j in range(i, end):
+            v = buf[j]
+            hi = v > 2147483647
+            lo = v < -2147483647
+            ns += hi | lo
+            v = 2147483647 if hi else v
+            v = -2147483647 if lo else v
+            oi[k] = <uint32_t>(base_index + j)
+            os[k] = <int32_t>v
+            k += v != 0
+        i = end
+    nsat[0] += ns
     return k
 
 
@@ -265,60 +270,64 @@ cdef inline void _be32(uint8_t* p, uint32_t v) noexcept nogil:
 
 def write_sparse_results(uint8_t[:, ::1] data, int64_t[::1] lengths, int64_t[::1] dest,
                          const uint32_t[::1] idx, const int32_t[::1] vals,
-                         const int64_t[::1] starts, const int64_t[::1] parts,
-                         const int64_t[::1] base, const int64_t[::1] row_start, Py_ssize_t per_packet,
+                         const int64_t[::1] e_begin, const int64_t[::1] e_end,
+                         const int64_t[::1] parts, const int64_t[::1] base,
+                         const int64_t[::1] row_begin, const int64_t[::1] npk, Py_ssize_t per_packet,
                          uint32_t job_id, uint32_t rnd, int scale_exp, uint16_t flags,
                          int64_t dest_value):
     """SPARSE_RESULT packets of several partitions into a zeroed PacketBatch (``data``, ``lengths``,
-    ``dest``): partition k (number ``parts[k]``, entries ``idx/vals[starts[k] : starts[k+1]]``,
-    absolute indices sorted ascending, offsets from ``base[k]``) fills rows ``row_start[k] ..
-    row_start[k+1] - 1``, ``per_packet`` entries a packet with the short one last, exactly as
+    ``dest``): partition k (number ``parts[k]``, entries ``idx/vals[e_begin[k] : e_end[k]]``,
+    absolute indices sorted ascending, offsets from ``base[k]``) fills the ``npk[k]`` rows from
+    ``row_begin[k]``, ``per_packet`` entries a packet with the short one last, exactly as
     dosa.packetizer lays them out (at least one packet, an empty one for no entries)."""
-    cdef Py_ssize_t n_parts = parts.shape[0], k, r, npk, c, e, e0, i, vo, stride = data.shape[1]
+    cdef Py_ssize_t n_parts = parts.shape[0], k, r, np_, c, e, e1, i, vo, row0
+    cdef Py_ssize_t stride = data.shape[1], nrows = data.shape[0]
     cdef uint8_t* row
     cdef int64_t b
-    if starts.shape[0] < n_parts + 1 or row_start.shape[0] < n_parts + 1 or base.shape[0] < n_parts:
+    if e_begin.shape[0] < n_parts or e_end.shape[0] < n_parts or base.shape[0] < n_parts \
+            or row_begin.shape[0] < n_parts or npk.shape[0] < n_parts:
         raise ValueError("write_sparse_results: per-partition arrays shorter than parts")
-    if row_start[n_parts] > data.shape[0] or lengths.shape[0] < data.shape[0] \
-            or dest.shape[0] < data.shape[0]:
-        raise ValueError("write_sparse_results: the batch has fewer rows than the packets")
+    if lengths.shape[0] < nrows or dest.shape[0] < nrows or vals.shape[0] < idx.shape[0]:
+        raise ValueError("write_sparse_results: lengths/dest/values shorter than the batch/indices")
     if per_packet < 1 or _length(per_packet) > stride:
         raise ValueError(f"write_sparse_results: {per_packet} entries do not fit a {stride}-byte slot")
-    if starts[n_parts] > idx.shape[0] or vals.shape[0] < idx.shape[0]:
-        raise ValueError("write_sparse_results: starts beyond the entries")
+    for k in range(n_parts):
+        c = e_end[k] - e_begin[k]
+        if npk[k] < 1 or npk[k] * per_packet < c or (npk[k] - 1) * per_packet > c - (c > 0):
+            raise ValueError(f"write_sparse_results: partition {parts[k]} has {c} entries but "
+                             f"{npk[k]} packets")
+        if e_begin[k] < 0 or e_end[k] > idx.shape[0] or row_begin[k] < 0 or row_begin[k] + npk[k] > nrows:
+            raise ValueError(f"write_sparse_results: partition {parts[k]} lies outside the "
+                             "entries or the batch")
     with nogil:
         for k in range(n_parts):
-            npk = row_start[k + 1] - row_start[k]
-            e0 = starts[k]
-            c = starts[k + 1] - e0
+            np_ = npk[k]
+            e1 = e_end[k]
             b = base[k]
-            if npk < 1 or npk * per_packet < c or (npk - 1) * per_packet > c - (c > 0):
-                with gil:
-                    raise ValueError(f"write_sparse_results: partition {parts[k]} has {c} entries "
-                                     f"but {npk} packets")
-            for r in range(npk):
-                row = &data[row_start[k] + r, 0]
-                e = e0 + r * per_packet
-                c = per_packet if starts[k + 1] - e > per_packet else starts[k + 1] - e
+            row0 = row_begin[k]
+            for r in range(np_):
+                row = &data[row0 + r, 0]
+                e = e_begin[k] + r * per_packet
+                c = per_packet if e1 - e > per_packet else e1 - e
                 _be32(row + H_MAGIC, MAGIC)
                 row[H_VERSION] = VERSION
                 row[H_TYPE] = T_SPARSE_RESULT
-                _be16(row + H_FLAGS, flags | (F_LAST if r == npk - 1 else 0))
+                _be16(row + H_FLAGS, flags | (F_LAST if r == np_ - 1 else 0))
                 _be32(row + H_JOB, job_id)
                 _be16(row + H_WORKER, DPU_SENDER)
                 _be16(row + H_PART, <uint32_t>parts[k])
                 _be32(row + H_ROUND, rnd)
                 _be16(row + H_SEQ, <uint32_t>r)
                 _be16(row + H_COUNT, <uint32_t>c)
-                _be16(row + H_TOTAL, <uint32_t>npk)
+                _be16(row + H_TOTAL, <uint32_t>np_)
                 row[H_SCALE] = <uint8_t><int8_t>scale_exp
                 _be32(row + H_BASE, <uint32_t>b)
                 vo = _value_off(c)
                 for i in range(c):
                     _be16(row + HDR + 2 * i, <uint32_t>(<int64_t>idx[e + i] - b))
                     _be32(row + vo + 4 * i, <uint32_t>vals[e + i])
-                lengths[row_start[k] + r] = _length(c)
-                dest[row_start[k] + r] = dest_value
+                lengths[row0 + r] = _length(c)
+                dest[row0 + r] = dest_value
 
 
 def clear_indices(int64_t[::1] buf, const uint32_t[::1] idx, int64_t base_index):

@@ -5,9 +5,9 @@ partition's s64 sums (``_merge.extract_many``) packs the non-zeros of all of the
 the encoding rule of dosa.wire (``wire.encoded_bytes``) is evaluated once for all of them, and
 when every partition goes sparse ``_merge.write_sparse_results`` writes the SPARSE_RESULT packets
 straight into one PacketBatch: a handful of calls per batch of partitions instead of ~40 numpy
-calls. A batch with a partition whose dense run is fewer bytes (or more entries than the protocol
-allows) is built by ``dosa.packetizer.packetize_results`` from the same entries; both give the same
-bytes (tests/unit/test_emit.py).
+calls. A partition whose dense run is fewer bytes (or with more entries than the protocol allows)
+is built by ``dosa.packetizer.packetize_results`` from the same entries and copied into its rows;
+both give the same bytes (tests/unit/test_emit.py).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class Results:
     sums: np.ndarray
     starts: np.ndarray
     nsat: np.ndarray
-    fast: bool  # written by the Cython writer (False: packetize_results)
+    fast: bool  # every partition written by the Cython writer (False: some by packetize_results)
 
 
 class Scratch:
@@ -73,33 +73,42 @@ def build_results(bufs: list, parts, lo, pmap: PartitionMap, *, job_id: int, rou
     lo = np.ascontiguousarray(lo, np.int64)
     idx, sums, starts, nsat = extract(bufs, lo, scratch)
     counts = np.diff(starts)
+    n = len(parts)
     per_s = wire.entries_per_packet(PacketType.SPARSE_RESULT, mtu)
     npk = np.maximum(1, -(-counts // per_s))
     nonempty = counts > 0
-    fast = not len(parts) or npk.max() <= MAX_PACKETS_PER_CONTRIBUTION
-    if fast and nonempty.any():
+    slow = npk > MAX_PACKETS_PER_CONTRIBUTION  # packetize_results raises the protocol's error
+    if nonempty.any():
         ne = np.flatnonzero(nonempty)
-        span = np.zeros(len(parts), np.int64)
+        span = np.zeros(n, np.int64)
         span[ne] = idx[starts[1:][ne] - 1].astype(np.int64) - idx[starts[:-1][ne]] + 1
         sparse_b, dense_b = wire.encoded_bytes(counts, span, mtu)
-        fast = not (nonempty & (dense_b < sparse_b)).any()
-    if not fast:
-        # a dense run (or a partition over the packet limit: packetize_results says why)
-        batch = packetize_results(idx, sums, pmap, job_id=job_id, round=round, scale_exp=scale_exp,
-                                  flags=flags, partitions=parts, mtu=mtu)
-        hp = batch.headers()["partition"].astype(np.int64)
-        rows = np.searchsorted(hp, np.append(parts, np.iinfo(np.int64).max), "left")
-        rows[-1] = len(batch)
-        return Results(batch, rows, idx, sums, starts, nsat, False)
-    rows = np.zeros(len(parts) + 1, np.int64)
-    np.cumsum(npk, out=rows[1:])
-    batch = PacketBatch.empty(int(rows[-1]), wire.stride_for_mtu(mtu))
+        slow |= nonempty & (dense_b < sparse_b)  # a dense run is fewer bytes
     if not 1 <= job_id <= 2**32 - 1 or not wire.SCALE_EXP_MIN <= scale_exp <= wire.SCALE_EXP_MAX \
             or not 0 <= round <= 2**32 - 1 or flags & ~wire.FLAGS_VALID_MASK or flags & wire.Flags.LAST:
         raise ValueError(f"build_results: bad header arguments (job {job_id}, round {round}, "
                          f"scale_exp {scale_exp}, flags 0x{flags:04x})")
-    _merge.write_sparse_results(batch.data, batch.lengths, batch.dest, idx, sums, starts, parts,
-                                np.minimum(lo, wire.MAX_SPARSE_BASE), rows, per_s, job_id, round,
-                                scale_exp, flags, -1)
-    return Results(batch, rows, idx, sums, starts, nsat, True)
+    fast = not slow.any()
+    if not fast:
+        # the partitions the writer does not take, from the same entries by packetize_results
+        sl = np.flatnonzero(slow)
+        take = np.concatenate([np.arange(starts[k], starts[k + 1]) for k in sl.tolist()])
+        other = packetize_results(idx[take], sums[take], pmap, job_id=job_id, round=round,
+                                  scale_exp=scale_exp, flags=flags, partitions=parts[sl], mtu=mtu)
+        hp = other.headers()["partition"].astype(np.int64)
+        first = np.searchsorted(hp, parts[sl], "left")
+        npk[sl] = np.diff(np.append(first, len(other)))
+    rows = np.zeros(n + 1, np.int64)
+    np.cumsum(npk, out=rows[1:])
+    batch = PacketBatch.empty(int(rows[-1]), wire.stride_for_mtu(mtu))
+    sp = np.flatnonzero(~slow)
+    _merge.write_sparse_results(batch.data, batch.lengths, batch.dest, idx, sums, starts[:-1][sp],
+                                starts[1:][sp], parts[sp], np.minimum(lo[sp], wire.MAX_SPARSE_BASE),
+                                rows[:-1][sp], npk[sp], per_s, job_id, round, scale_exp, flags, -1)
+    if not fast:
+        at = np.repeat(rows[:-1][sl], npk[sl]) + np.arange(len(other)) - np.repeat(first, npk[sl])
+        batch.data[at] = other.data
+        batch.lengths[at] = other.lengths
+        batch.dest[at] = other.dest
+    return Results(batch, rows, idx, sums, starts, nsat, fast)
 

@@ -96,19 +96,22 @@ def test_all_empty_and_no_partitions():
     assert len(res.batch) == 0 and list(res.rows) == [0]
 
 
-def test_dense_partition_falls_back_to_packetize_results():
+@pytest.mark.parametrize("mtu", [1500, 3500])
+def test_dense_partition_falls_back_to_packetize_results(mtu):
     rng = np.random.default_rng(5)
-    pmap = PartitionMap(numel=3 * 65536, partition_size=65536)
-    parts = np.array([0, 1, 2])
-    bufs = _buffers(pmap, parts, rng, [0.01, 0.0, 0.01])
+    pmap = PartitionMap(numel=3 * 65536 + 100, partition_size=65536)
+    parts = np.array([0, 1, 2, 3])
+    bufs = _buffers(pmap, parts, rng, [0.01, 0.0, 0.01, 0.02])
     bufs[1][1000:3000] = rng.integers(1, 1000, 2000)  # a run denser than the break-even
-    kw = dict(job_id=3, round=4, scale_exp=1, mtu=1500)
+    bufs[3][10:90] = 5
+    kw = dict(job_id=3, round=4, scale_exp=1, mtu=mtu)
     res = build_results(bufs, parts, parts * 65536, pmap, **kw)
     ref = _reference(bufs, parts, pmap, **kw)[0]
     assert not res.fast
     _same(res.batch, ref)
     h = res.batch.headers()
-    assert (h["type"][res.rows[1]:res.rows[2]] == wire.PacketType.DENSE_RESULT).all()
+    dense = [k for k in range(4) if (h["type"][res.rows[k]:res.rows[k + 1]] == wire.PacketType.DENSE_RESULT).all()]
+    assert dense == [1, 3]  # the others went through the Cython writer
     for k, p in enumerate(parts):
         assert (h["partition"][res.rows[k]:res.rows[k + 1]] == p).all()
 
@@ -126,9 +129,16 @@ def test_write_sparse_results_checks_its_arguments():
     e = np.zeros(0, np.uint32)
     with pytest.raises(ValueError, match="entries but"):
         _merge.write_sparse_results(batch.data, batch.lengths, batch.dest, e, np.zeros(0, np.int32),
-                                    np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
-                                    np.array([0, 2]), 240, 1, 0, 0, 0, -1)
+                                    np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                                    np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([2]), 240,
+                                    1, 0, 0, 0, -1)
     with pytest.raises(ValueError, match="do not fit"):
         _merge.write_sparse_results(batch.data, batch.lengths, batch.dest, e, np.zeros(0, np.int32),
-                                    np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
-                                    np.array([0, 1]), 400, 1, 0, 0, 0, -1)
+                                    np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                                    np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([1]), 400,
+                                    1, 0, 0, 0, -1)
+    with pytest.raises(ValueError, match="outside"):
+        _merge.write_sparse_results(batch.data, batch.lengths, batch.dest, e, np.zeros(0, np.int32),
+                                    np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                                    np.zeros(1, np.int64), np.array([2]), np.array([1]), 240,
+                                    1, 0, 0, 0, -1)
