@@ -293,7 +293,7 @@ class DataplaneMaps:
         return base <= g <= base + 1 and int(ps["workers_done"][g & 1]) >= j.workers
 
     def advance(self, job_id: int, partition: int, completed_round: int, nonzero=None,
-                job: JobInfo | None = None) -> bool:
+                job: JobInfo | None = None, clear=None) -> bool:
         """(partition, completed_round) is complete: if it is its slot's occupant after the base,
         every host holds the base occupant's result (a host sends a slot's next occupant only
         then), so clear the base's buffer, dedup bitmaps and counters (its parity) and make
@@ -303,7 +303,9 @@ class DataplaneMaps:
 
         ``nonzero``: offsets (from the first index of the *cleared* occupant's partition) of every
         non-zero entry of the buffer being cleared, when the caller knows them (the DPU worker
-        extracted them for that result): only those are zeroed. None zeroes the whole buffer."""
+        extracted them for that result): only those are zeroed. None zeroes the whole buffer.
+        ``clear``: instead of ``nonzero``, a function ``clear(buf)`` that zeroes the non-zeros of
+        the cleared buffer (``buf``: its int64 view) itself, e.g. one compiled loop."""
         j = job or self._job(job_id)
         i = self._ps_index(j, partition)
         g = j.gen(partition, completed_round)
@@ -317,14 +319,16 @@ class DataplaneMaps:
                             f"round {br}, only the occupant after it can complete")
         # base first: from now on a late copy of occupant `base` is too_old and touches nothing we clear
         self.pstate["base_gen"][i] = g
-        self._clear_parity(j, j.slot(partition), base & 1, nonzero)
+        self._clear_parity(j, j.slot(partition), base & 1, nonzero, clear)
         return True
 
-    def _clear_parity(self, j: JobInfo, slot: int, par: int, nonzero=None) -> None:
+    def _clear_parity(self, j: JobInfo, slot: int, par: int, nonzero=None, clear=None) -> None:
         i = j.pstate_off + slot
         start = j.pool_off + (slot * 2 + par) * j.stride
         buf = self.pool[start:start + j.stride]
-        if nonzero is None:
+        if clear is not None:
+            clear(buf)
+        elif nonzero is None:
             buf[:] = 0
         else:
             buf[nonzero] = 0

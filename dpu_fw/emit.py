@@ -26,7 +26,8 @@ from . import _merge
 class Results:
     """The result packets of partitions ``parts`` (ascending) of one round: partition k's packets
     are rows ``rows[k]:rows[k+1]`` of ``batch``; its non-zero sums were at the absolute indices
-    ``idx[starts[k]:starts[k+1]]`` (``sums`` alike, saturated), ``nsat[k]`` of them saturated."""
+    ``idx[starts[k]:starts[k+1]]`` (``sums`` alike, saturated; a view of the scratch, valid until
+    its next use), ``nsat[k]`` of them saturated."""
 
     batch: PacketBatch
     rows: np.ndarray
@@ -52,7 +53,8 @@ class Scratch:
 
 def extract(bufs: list, lo: np.ndarray, scratch: Scratch | None = None):
     """Non-zeros of every buffer (``bufs[k][i]`` is index ``lo[k] + i``) as (idx u32, sums s32,
-    starts int64 n+1, nsat int64 n), one Cython call; idx/sums are fresh arrays."""
+    starts int64 n+1, nsat int64 n), one Cython call; idx is a fresh array, sums (with a scratch
+    given) a view of the scratch, valid until its next use."""
     scratch = scratch or Scratch()
     n = len(bufs)
     scratch.ensure(sum(len(b) for b in bufs))
@@ -60,7 +62,7 @@ def extract(bufs: list, lo: np.ndarray, scratch: Scratch | None = None):
     nsat = np.empty(n, np.int64)
     m = _merge.extract_many(bufs, np.ascontiguousarray(lo, np.int64), scratch.idx, scratch.val,
                             starts, nsat)
-    return scratch.idx[:m].copy(), scratch.val[:m].copy(), starts, nsat
+    return scratch.idx[:m].copy(), scratch.val[:m], starts, nsat
 
 
 def build_results(bufs: list, parts, lo, pmap: PartitionMap, *, job_id: int, round: int,

@@ -210,7 +210,7 @@ class JobRuntime:
         if self.backend.is_next(lp, rnd):
             prev = self.backend.previous(lp, rnd)
             old = self.shadow.pop(prev, None)
-            self.backend.advance(lp, rnd, None if old is None else old[1])
+            self.backend.advance(lp, rnd, None if old is None else old[1], prev)
             before = self.backend.previous(*prev) if prev is not None else None
             if before is not None:
                 self.shadow.pop(before, None)
@@ -649,7 +649,7 @@ class UserspaceBackend:
     def scale_exp(self, lp, rnd):
         return int(self.state.scale_of[lp, rnd & 1])
 
-    def advance(self, lp, rnd, nonzero):
+    def advance(self, lp, rnd, nonzero, prev=None):
         self.state.advance(lp, rnd, nonzero)
 
     def flush(self):

@@ -13,6 +13,8 @@ import numpy as np
 from dosa.errors import DosaError
 from dosa.job import JobConfig
 
+from . import _merge
+
 
 def open_maps(instance: str | None):
     try:
@@ -113,16 +115,21 @@ class XdpBackend:
         tag = int(self._ps(lp)["scale_tag"][self._gen(lp, rnd) & 1])
         return tag - self.bias if tag else 0
 
-    def advance(self, lp: int, rnd: int, nonzero) -> None:
-        """``nonzero``: the global indices that were non-zero in the occupant being cleared (the
-        one before (lp, rnd) in its slot; the worker extracted them for its result): only those
-        entries are zeroed, not the whole buffer (None, e.g. after a restart lost the shadow
-        copy: the whole buffer)."""
-        local = None
-        prev = self.previous(lp, rnd)
-        if nonzero is not None and prev is not None:
-            local = np.asarray(nonzero, np.int64) - int(self.owned[prev[0]]) * self.info.partition_size
-        self.maps.advance(self.job_id, int(self.owned[lp]), rnd, local, job=self.info)
+    def advance(self, lp: int, rnd: int, nonzero, prev: tuple[int, int] | None = None) -> None:
+        """``nonzero``: the global indices (u32) that were non-zero in the occupant being cleared
+        (``prev``, the one before (lp, rnd) in its slot, computed when not given; the worker
+        extracted them for its result): only those entries are zeroed (one compiled loop), not the
+        whole buffer (None, e.g. after a restart lost the shadow copy: the whole buffer)."""
+        clear = None
+        if nonzero is not None:
+            prev = self.previous(lp, rnd) if prev is None else prev
+            if prev is not None:
+                base = int(self.owned[prev[0]]) * self.info.partition_size
+                idx = np.ascontiguousarray(nonzero, np.uint32)
+
+                def clear(buf):
+                    _merge.clear_indices(buf, idx, base)
+        self.maps.advance(self.job_id, int(self.owned[lp]), rnd, None, job=self.info, clear=clear)
 
     def incomplete(self) -> list[tuple[int, int, int, bool]]:
         """(local partition, round, worker, partial) for every worker that has not delivered its
@@ -139,14 +146,23 @@ class XdpBackend:
             return []
         base = ps["base_gen"].astype(np.int64)
         ws = self.maps.wstate[j.wstate_off:j.wstate_off + S * 2 * W].reshape(S, 2, W)
+        cs, cp = cand[:, 0], cand[:, 1]
+        rec = ws["received"][cs, cp].astype(np.int64)  # (candidates, W)
+        tot = ws["total"][cs, cp].astype(np.int64)
+        ci, cw = np.nonzero((tot == 0) | (rec < tot))
+        if not len(ci):
+            return []
+        partial = (rec[ci, cw] > 0).tolist()
+        occ = {}
         out = []
-        for s, par in cand.tolist():
-            g = int(base[s]) if (int(base[s]) & 1) == par else int(base[s]) + 1
-            p, rnd = j.occupant(s, g)
-            rec = ws["received"][s, par].astype(np.int64)
-            tot = ws["total"][s, par].astype(np.int64)
-            for w in np.flatnonzero((tot == 0) | (rec < tot)).tolist():
-                out.append((p // j.num_dpus, rnd, w, bool(rec[w] > 0)))
+        for i, w, part in zip(ci.tolist(), cw.tolist(), partial):
+            o = occ.get(i)
+            if o is None:
+                s, par = int(cs[i]), int(cp[i])
+                g = int(base[s]) if (int(base[s]) & 1) == par else int(base[s]) + 1
+                p, rnd = j.occupant(s, g)
+                o = occ[i] = (p // j.num_dpus, rnd)
+            out.append((o[0], o[1], w, part))
         return out
 
     def flush(self) -> None:
