@@ -88,7 +88,9 @@ class JobRuntime:
         if self.group is not None:
             self.group_ip, self.group_port = addr_arrays([self.group])
         self.backend = backend
-        self.shadow: dict[tuple[int, int], tuple[PacketBatch, np.ndarray]] = {}
+        #: (lp, rnd) -> (batch, row a, row b, idx, entry s, entry e): the shadow copy is rows a:b of
+        #: batch (a whole emitted chunk, shared), its non-zero indices idx[s:e]; sliced when used
+        self.shadow: dict[tuple[int, int], tuple] = {}
         self.saturated = 0
         self._answered: dict[tuple[int, int, int], float] = {}
         self._emitted: dict[tuple[int, int], float] = {}
@@ -123,12 +125,15 @@ class JobRuntime:
         """The result packets of (lp, rnd): from the shadow cache, or built from the buffer."""
         hit = self.shadow.get((lp, rnd))
         if hit is not None:
-            return hit[0]
+            batch, a, b = hit[:3]
+            if a == 0 and b == len(batch):
+                return batch
+            return PacketBatch(batch.data[a:b], batch.lengths[a:b], batch.dest[a:b])
         idx, sums, nz = self._sums(lp, rnd)
         batch = packetize_partition_result(
             idx, sums, job_id=self.job.job_id, partition=int(self.owned[lp]), round=rnd,
             scale_exp=self.backend.scale_exp(lp, rnd), flags=self._flags(), mtu=self.job.mtu)
-        self.shadow[(lp, rnd)] = (batch, nz)
+        self.shadow[(lp, rnd)] = (batch, 0, len(batch), nz, 0, len(nz))
         return batch
 
     def complete_many(self, comps: list[tuple[int, int]], ep: UdpEndpoint) -> None:
@@ -161,7 +166,7 @@ class JobRuntime:
             nentries = len(idx)
             hp = batch.headers()["partition"].astype(np.int64)
             rows = np.append(np.searchsorted(hp, parts, "left"), len(batch)).tolist()
-            nz = [g[2] for g in got]
+            nz = [(g[2], 0, len(g[2])) for g in got]
         else:
             res = build_results([self.backend.buffer(lp, rnd) for lp in lps], parts, self.lo[lps],
                                 self.pmap, job_id=self.job.job_id, round=rnd, scale_exp=scale,
@@ -169,16 +174,14 @@ class JobRuntime:
             batch, nentries = res.batch, len(res.idx)
             rows = res.rows.tolist()
             st = res.starts.tolist()
-            nz = [res.idx[st[k]:st[k + 1]] for k in range(len(lps))]
+            nz = [(res.idx, st[k], st[k + 1]) for k in range(len(lps))]
             if res.nsat.any():
                 for k in np.flatnonzero(res.nsat).tolist():
                     self._saturated(lps[k], rnd, int(res.nsat[k]))
         self.stats["result_packets"] += len(batch)
         self.stats["result_entries"] += nentries
-        data, lengths, dest = batch.data, batch.lengths, batch.dest
         for k, lp in enumerate(lps):
-            a, b = rows[k], rows[k + 1]
-            self.shadow[(lp, rnd)] = (PacketBatch(data[a:b], lengths[a:b], dest[a:b]), nz[k])
+            self.shadow[(lp, rnd)] = (batch, rows[k], rows[k + 1], *nz[k])
             self._emitted[(lp, rnd)] = now
         if len(self._emitted) > 65536:
             self._emitted = {k: v for k, v in self._emitted.items() if now - v < ANSWER_GUARD}
@@ -210,7 +213,7 @@ class JobRuntime:
         if self.backend.is_next(lp, rnd):
             prev = self.backend.previous(lp, rnd)
             old = self.shadow.pop(prev, None)
-            self.backend.advance(lp, rnd, None if old is None else old[1], prev)
+            self.backend.advance(lp, rnd, None if old is None else old[3][old[4]:old[5]], prev)
             before = self.backend.previous(*prev) if prev is not None else None
             if before is not None:
                 self.shadow.pop(before, None)
