@@ -70,17 +70,26 @@ class XdpBackend:
         from dataplane import layout
 
         self.bias = layout.SCALE_TAG_BIAS
+        # per local partition, as Python ints: its slot, its occupant number in the slot within a
+        # round, and the slot's occupants per round (JobInfo.slot / gen / per_round, precomputed:
+        # the completion path asks for them several times per completion)
+        S = info.slots
+        self._slot = [lp % S for lp in range(len(owned))] if S else []
+        self._k = [lp // S for lp in range(len(owned))] if S else []
+        self._per_round = [info.per_round(lp % S) for lp in range(len(owned))] if S else []
+        self._base_gen = maps.pstate["base_gen"]  # live views of the pinned map
+        self._scale_tag = maps.pstate["scale_tag"]
 
     # local partition lp aggregates in slot lp % slots; (lp, rnd) is that slot's occupant number
     # rnd * per_round + lp // slots (dataplane.maps.JobInfo, docs/dataplane.md *Slots*)
     def _ps(self, lp: int):
-        return self.maps.pstate[self.info.pstate_off + lp % self.info.slots]
+        return self.maps.pstate[self.info.pstate_off + self._slot[lp]]
 
     def _gen(self, lp: int, rnd: int) -> int:
-        return self.info.gen(int(self.owned[lp]), rnd)
+        return rnd * self._per_round[lp] + self._k[lp]
 
     def _base(self, lp: int) -> int:
-        return int(self._ps(lp)["base_gen"])
+        return int(self._base_gen[self.info.pstate_off + self._slot[lp]])
 
     def is_next(self, lp: int, rnd: int) -> bool:
         """(lp, rnd) is the occupant after its slot's base: completing it releases the base."""
@@ -91,8 +100,8 @@ class XdpBackend:
         g = self._gen(lp, rnd)
         if g == 0:
             return None
-        p, r = self.info.occupant(lp % self.info.slots, g - 1)
-        return p // self.info.num_dpus, r
+        r, k = divmod(g - 1, self._per_round[lp])
+        return self._slot[lp] + k * self.info.slots, r
 
     def in_window(self, lp: int, rnd: int) -> bool:
         b = self._base(lp)
@@ -112,7 +121,7 @@ class XdpBackend:
         return self.maps.buffer(self.job_id, int(self.owned[lp]), rnd, job=self.info)
 
     def scale_exp(self, lp: int, rnd: int) -> int:
-        tag = int(self._ps(lp)["scale_tag"][self._gen(lp, rnd) & 1])
+        tag = int(self._scale_tag[self.info.pstate_off + self._slot[lp], self._gen(lp, rnd) & 1])
         return tag - self.bias if tag else 0
 
     def advance(self, lp: int, rnd: int, nonzero, prev: tuple[int, int] | None = None) -> None:
