@@ -29,8 +29,7 @@ from dosa import wire
 from dosa.errors import DosaError
 from dosa.job import DPU_MODES, JobConfig
 from dosa.net import addr_arrays, multicast_group
-from dosa.packetizer import (packetize_partition_result, packetize_results, packetize_status,
-                             parse_batch)
+from dosa.packetizer import packetize_results, packetize_status, parse_batch
 from dosa.transport import UdpEndpoint
 from dosa.wire import Flags, PacketBatch, PacketType
 
@@ -130,9 +129,11 @@ class JobRuntime:
                 return batch
             return PacketBatch(batch.data[a:b], batch.lengths[a:b], batch.dest[a:b])
         idx, sums, nz = self._sums(lp, rnd)
-        batch = packetize_partition_result(
-            idx, sums, job_id=self.job.job_id, partition=int(self.owned[lp]), round=rnd,
-            scale_exp=self.backend.scale_exp(lp, rnd), flags=self._flags(), mtu=self.job.mtu)
+        # the same encoder as _emit's (bases at the partition's start): a result answered before
+        # its completion event was handled, and then fanned out, goes out as identical copies
+        batch = packetize_results(idx, sums, self.pmap, job_id=self.job.job_id, round=rnd,
+                                  scale_exp=self.backend.scale_exp(lp, rnd), flags=self._flags(),
+                                  partitions=self.owned[lp:lp + 1], mtu=self.job.mtu)
         self.shadow[(lp, rnd)] = (batch, 0, len(batch), nz, 0, len(nz))
         return batch
 
