@@ -59,12 +59,13 @@ def test_metrics_scraped_during_a_real_run_are_the_dataplanes_and_the_workers_co
 
         result, scrapes = {}, []
         run = threading.Thread(target=lambda: result.update(r=tb.run(
-            [sys.executable, "-m", "examples.train_digits", "--comm", "dosa", "--epochs", "1", "--quiet"],
+            # 6 epochs: the dosa rounds last a few seconds, not one (a scrape takes ~0.3 s)
+            [sys.executable, "-m", "examples.train_digits", "--comm", "dosa", "--epochs", "6", "--quiet"],
             timeout=240, echo=False)))
         run.start()
         while run.is_alive():
             scrapes.append(_scrape(tb, addr, port))
-            time.sleep(0.3)
+            time.sleep(0.1)
         run.join()
         result["r"].check()
         job = env["DOSA_JOB_ID"]
@@ -97,6 +98,6 @@ def test_metrics_scraped_during_a_real_run_are_the_dataplanes_and_the_workers_co
     worker_completions = after[("dosa_worker_completions_total", jl)]
     assert merged >= 2 * worker_completions > 0 and entries >= merged
     # every completion the XDP program emitted was answered by the worker with a result
-    assert worker_completions == completions
+    assert worker_completions == completions, (worker_completions, completions, {k: v for k, v in after.items() if "complet" in k[0] or "unknown" in k[0]})
     assert after[("dosa_worker_result_packets_total", jl)] >= worker_completions
     assert ("dosa_worker_retransmission_answers_total", (("job_id", job), ("outcome", "retx_answered"))) in after
