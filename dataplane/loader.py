@@ -14,12 +14,16 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dosa import wire
 from dosa.errors import DosaError, NeedsRoot
 
 from . import layout, libbpf, reasons
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "dosa_xdp.c"
+#: where the wire header generated from dosa/wire.py lives (dosa/dosa_wire.h: the bottom layer's,
+#: shared with the hosts' compiled header check)
+WIRE_HEADER_DIR = Path(wire.__file__).resolve().parent
 BPFFS = "/sys/fs/bpf"
 PIN_ROOT = f"{BPFFS}/dosa"
 PROG_PIN = "prog"
@@ -154,7 +158,7 @@ def compile_program(config: LoadConfig = LoadConfig()):
     from bcc import BPF  # imported late: BCC is slow to import and needs root to be useful
 
     try:
-        bpf = BPF(text=program_text().encode(), cflags=[f"-I{HERE}", *config.cflags()])
+        bpf = BPF(text=program_text().encode(), cflags=[f"-I{HERE}", f"-I{WIRE_HEADER_DIR}", *config.cflags()])
         fn = bpf.load_func(FUNC_NAME.encode(), BPF.XDP)
     except Exception as e:  # BCC raises bare Exceptions on compile / verifier errors
         raise DosaError(f"the XDP program failed to compile or verify: {e}") from e

@@ -2,8 +2,8 @@
 
 the packetizer and parser (``dosa.packetizer``: hosts' data, DPU workers' results), the scapy layer
 (``dosa.scapy_layer``), the capture reader and the tests all take field names, sizes, offsets, constants and the header rules
-from here; the tables are plain data so generators can read them. ``dataplane/dosa_wire.h`` is
-generated from this module (:func:`c_header`, ``python -m dataplane.gen_headers``), the XDP
+from here; the tables are plain data so generators can read them. ``dosa/dosa_wire.h`` is
+generated from this module (:func:`c_header`, ``python -m dosa.gen_headers``), the XDP
 program's header check included; ``tests/unit/test_wire_c_header.py`` fails when they drift. The
 spec in prose is ``docs/protocol.md``.
 
@@ -182,7 +182,7 @@ MAX_ENTRIES = {t: entries_per_packet(t, MAX_MTU) for t in PacketType}
 RX_MAX_SPARSE_ENTRIES = MAX_ENTRIES[PacketType.SPARSE_DATA]  # 573
 RX_MAX_DENSE_ENTRIES = MAX_ENTRIES[PacketType.DENSE_DATA]  # 860
 
-#: (name, numpy big-endian dtype, C type in dataplane/dosa_wire.h). Order is wire order.
+#: (name, numpy big-endian dtype, C type in dosa/dosa_wire.h). Order is wire order.
 HEADER_FIELDS: list[tuple[str, str, str]] = [
     ("magic", ">u4", "__be32"),
     ("version", "u1", "__u8"),
@@ -273,7 +273,7 @@ class Header:
 
 # --------------------------------------------------------------------------------------------------
 # Header rules: ONE table, evaluated vectorized in Python and rendered as the C check of the XDP
-# program (dataplane/dosa_wire.h is generated from this module by ``python -m dataplane.gen_headers``)
+# program (dosa/dosa_wire.h is generated from this module by ``python -m dosa.gen_headers``)
 # --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class HeaderRule:
@@ -582,7 +582,7 @@ class PacketBatch:
 
 
 # --------------------------------------------------------------------------------------------------
-# The C rendering: dataplane/dosa_wire.h (written by ``python -m dataplane.gen_headers``; a test
+# The C rendering: dosa/dosa_wire.h (written by ``python -m dosa.gen_headers``; a test
 # fails when the file differs from this text)
 # --------------------------------------------------------------------------------------------------
 _C_PREFIX = "DOSA_"
@@ -609,11 +609,11 @@ def _c_expr(expr: str) -> str:
 
 
 def c_header() -> str:
-    """The text of dataplane/dosa_wire.h: constants, the header struct, the per-type tables and the
+    """The text of dosa/dosa_wire.h: constants, the header struct, the per-type tables and the
     header check of the XDP program, all from this module."""
     ntoh = {1: "", 2: "dosa_ntohs", 4: "dosa_ntohl"}
     out = [
-        f"/* dosa wire protocol v{VERSION}: GENERATED from dosa/wire.py by `python -m dataplane.gen_headers`;",
+        f"/* dosa wire protocol v{VERSION}: GENERATED from dosa/wire.py by `python -m dosa.gen_headers`;",
         " * do not edit (tests/unit/test_wire_c_header.py fails when this file and wire.py differ).",
         " * Spec: docs/protocol.md. All fields big-endian. The check returns DOSA_C_* counters of",
         " * dataplane/reasons.py, whose enum the loader puts before the program text. */",

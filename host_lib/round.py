@@ -25,6 +25,7 @@ from dosa.errors import DosaError
 from dosa.packetizer import packetize_control, parse_batch
 from dosa.wire import Flags, HEADER_DTYPE, PacketBatch, PacketType
 
+from . import _round
 from .membership import StaleJobError
 
 if TYPE_CHECKING:
@@ -78,7 +79,9 @@ class Round:
         # no sort of the entries (results are sorted within a partition, partitions are ranges)
         self.raw: list[np.ndarray] = []
         self.raw_key: list[np.ndarray] = []
-        self.raw_count: list[np.ndarray] = []
+        self._got_u8 = self.got.view(np.uint8)  # the compiled intake's views of the same state
+        self._done_u8 = self.done.view(np.uint8)
+        self._scratch = np.empty((4, 0), np.int64)  # its output rows (reused across batches)
         self.next = 0
         self.released = P  # partitions [0, released) may be sent (a SparseStream releases them in ranges)
         self.missing: dict[int, list[int]] = {}
@@ -163,47 +166,35 @@ class Round:
     def _absorb(self, b: PacketBatch, sip) -> bool:
         """Take the new result packets of this round out of a received batch; True on progress.
 
-        Headers are read in place (a view of the receive buffer); only this round's result packets
-        are validated and kept (raw), STATUS packets are parsed; anything else is ignored."""
+        One compiled pass over the headers (host_lib/_round.pyx: the header rules are the XDP
+        program's generated check): only this round's result packets are validated and kept (raw,
+        copied out of the reused receive buffer), STATUS packets are parsed; anything else is
+        ignored."""
         n = len(b)
         if not n:
             return False
-        hv = b.data.view(HEADER_DTYPE)[:n, 0]
-        t = hv["type"]
-        mine = (hv["job_id"] == self.c.job.job_id) & (hv["round"] == self.c.round) \
-            & (hv["partition"] < self.P) & (hv["worker_id"] == wire.DPU_SENDER_ID)
-        st = np.flatnonzero(mine & (t == PacketType.STATUS))
-        if len(st):
+        sc = self._scratch
+        if sc.shape[1] < n:
+            sc = self._scratch = np.empty((4, max(n, 2 * sc.shape[1])), np.int64)
+        nn, ns, nc = _round.absorb(b.data, b.lengths, n, self.c.job.job_id, self.c.round, self.P,
+                                   self.scale_exp, self._got_u8, self._done_u8, self.res_total,
+                                   self.res_got, sc[0], sc[1], sc[2], sc[3])
+        if ns:
+            st = sc[2, :ns]
             self._statuses(parse_batch(PacketBatch(b.data[st], b.lengths[st], b.dest[st]), on_error="drop"))
-        res = np.flatnonzero(mine & ((t == PacketType.SPARSE_RESULT) | (t == PacketType.DENSE_RESULT))
-                             & (hv["scale_exp"] == self.scale_exp))
-        if not len(res):
+        if not nn:
             return False
-        res = res[wire.header_ok(hv[res], np.asarray(b.lengths[res], np.int64))]
-        p = hv["partition"][res].astype(np.int64)
-        s = hv["seq"][res].astype(np.int64)
-        key = p * wire.MAX_PACKETS_PER_CONTRIBUTION + s
-        key, first = np.unique(key, return_index=True)
-        res, p, s = res[first], p[first], s[first]
-        new = ~self.got[p, s] & ~self.done[p]
-        if not new.any():
-            return False
-        res, p, s, key = res[new], p[new], s[new], key[new]
-        self.got[p, s] = True
-        self.res_total[p] = hv["total"][res]
-        np.add.at(self.res_got, p, 1)
+        res = sc[0, :nn]
         self.raw.append(b.data[res])
-        self.raw_key.append(key)
-        self.raw_count.append(hv["count"][res].astype(np.int64))
-        was = self.done[p]
-        self.done |= (self.res_total > 0) & (self.res_got >= self.res_total)
-        # RTT samples (Karn): partitions done without any ask, resend or STATUS of ours: their
-        # time includes no recovery, ours or (as far as we saw) another host's; one per batch,
-        # the quickest, so other hosts' lateness inflates the timer as little as it can
-        fresh = p[~was & self.done[p] & (self.tries[p] == 0) & ~self.resent[p]
-                  & ~np.isfinite(self.status_at[p])]
-        if len(fresh):
-            self.c.rtt.sample(time.monotonic() - float(self.last_tx[fresh].max()))
+        self.raw_key.append(sc[1, :nn].copy())
+        if nc:
+            # RTT samples (Karn): partitions done without any ask, resend or STATUS of ours: their
+            # time includes no recovery, ours or (as far as we saw) another host's; one per batch,
+            # the quickest, so other hosts' lateness inflates the timer as little as it can
+            p = sc[3, :nc]
+            fresh = p[(self.tries[p] == 0) & ~self.resent[p] & ~np.isfinite(self.status_at[p])]
+            if len(fresh):
+                self.c.rtt.sample(time.monotonic() - float(self.last_tx[fresh].max()))
         return True
 
     def _statuses(self, parsed) -> None:

@@ -134,14 +134,12 @@ class SparseStream(Round):
 
     def _decode_range(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """Round._decode restricted to the result packets of partitions [lo, hi)."""
-        kept = (self.raw, self.raw_key, self.raw_count)
+        kept = (self.raw, self.raw_key)
         klo, khi = lo * MAX_PACKETS_PER_CONTRIBUTION, hi * MAX_PACKETS_PER_CONTRIBUTION
-        sel = [(r[m], k[m], n[m]) for r, k, n in zip(*kept)
-               for m in [(k >= klo) & (k < khi)] if m.any()]
+        sel = [(r[m], k[m]) for r, k in zip(*kept) for m in [(k >= klo) & (k < khi)] if m.any()]
         try:
             self.raw = [s[0] for s in sel]
             self.raw_key = [s[1] for s in sel]
-            self.raw_count = [s[2] for s in sel]
             return self._decode()
         finally:
-            self.raw, self.raw_key, self.raw_count = kept
+            self.raw, self.raw_key = kept

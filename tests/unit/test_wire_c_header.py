@@ -1,4 +1,4 @@
-"""dataplane/dosa_wire.h is generated from dosa/wire.py (``python -m dataplane.gen_headers``): the
+"""dosa/dosa_wire.h is generated from dosa/wire.py (``python -m dosa.gen_headers``): the
 checked-in file must be exactly what the generator writes, and what it means must mirror wire.py:
 every struct dosa_hdr field at the same offset with the same size, signedness and declared C type,
 every #define and enum value equal to its Python counterpart, and the generated C header check
@@ -15,12 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataplane import gen_headers, reasons
+from dataplane import reasons
+from dosa import gen_headers
 from dosa import wire
 
 pytestmark = pytest.mark.timeout(60)
 
-HEADER = Path(__file__).resolve().parents[2] / "dataplane" / "dosa_wire.h"
+HEADER = Path(__file__).resolve().parents[2] / "dosa" / "dosa_wire.h"
 
 
 def _c_names() -> tuple[list[str], list[str]]:
@@ -48,7 +49,7 @@ def _python_value(cname: str) -> int:
 def c_layout(tmp_path_factory):
     """Compile and run a program printing ``name value`` lines for every layout fact and constant."""
     cc = shutil.which("gcc") or shutil.which("cc")
-    assert cc, "gcc is required to check dataplane/dosa_wire.h (apt-get install gcc)"
+    assert cc, "gcc is required to check dosa/dosa_wire.h (apt-get install gcc)"
     defines, enums = _c_names()
     lines = ["#include <stdio.h>", "#include <stddef.h>", reasons.c_enum(), f'#include "{HEADER}"',
              "#define F(s, f) ((struct s *)0)->f",
@@ -122,7 +123,7 @@ def test_header_field_list_is_complete():
 
 
 def test_checked_in_header_is_the_generated_one():
-    assert HEADER.read_text() == wire.c_header(), "run: python -m dataplane.gen_headers"
+    assert HEADER.read_text() == wire.c_header(), "run: python -m dosa.gen_headers"
     assert gen_headers.main(["--check"]) == 0
 
 
@@ -159,7 +160,7 @@ def _random_headers(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 def test_generated_c_check_agrees_with_python_on_random_headers(tmp_path):
     """The same header bytes through dosa_check_header (gcc) and wire.header_verdicts: one verdict."""
     cc = shutil.which("gcc") or shutil.which("cc")
-    assert cc, "gcc is required to check dataplane/dosa_wire.h (apt-get install gcc)"
+    assert cc, "gcc is required to check dosa/dosa_wire.h (apt-get install gcc)"
     src, exe = tmp_path / "check.c", tmp_path / "check"
     src.write_text("\n".join([
         "#include <stdio.h>", "#include <stdint.h>", reasons.c_enum(), f'#include "{HEADER}"',

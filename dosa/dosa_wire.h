@@ -1,4 +1,4 @@
-/* dosa wire protocol v2: GENERATED from dosa/wire.py by `python -m dataplane.gen_headers`;
+/* dosa wire protocol v2: GENERATED from dosa/wire.py by `python -m dosa.gen_headers`;
  * do not edit (tests/unit/test_wire_c_header.py fails when this file and wire.py differ).
  * Spec: docs/protocol.md. All fields big-endian. The check returns DOSA_C_* counters of
  * dataplane/reasons.py, whose enum the loader puts before the program text. */

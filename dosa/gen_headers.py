@@ -1,7 +1,7 @@
 """Write (or, with ``--check``, compare) the C headers generated from their Python definitions:
-``dataplane/dosa_wire.h`` from ``dosa/wire.py`` (constants, header struct, the header check).
+``dosa/dosa_wire.h`` from ``dosa/wire.py`` (constants, header struct, the header check).
 
-Run ``python -m dataplane.gen_headers`` after changing wire.py; tests/unit/test_wire_c_header.py
+Run ``python -m dosa.gen_headers`` after changing wire.py; tests/unit/test_wire_c_header.py
 fails while the checked-in file differs from what this writes. (The counter enum of reasons.py is
 not a file: the loader puts it before the program text.)
 """
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(f"wrote {path}")
     if stale:
-        print(f"out of date: {', '.join(stale)} (run python -m dataplane.gen_headers)")
+        print(f"out of date: {', '.join(stale)} (run python -m dosa.gen_headers)")
         return 1
     return 0
 
