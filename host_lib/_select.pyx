@@ -1,5 +1,6 @@
 # cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""Single-pass threshold selection kernels for host_lib.compress (private; see that module's docs).
+"""Single-pass threshold selection kernels for host_lib.compress (private; see that module's docs),
+and the fixed-point rule of host_lib.quantize (at the end of this file).
 
 numpy's ``np.flatnonzero(np.abs(a) >= t)`` makes three 25M-entry temporaries (abs, mask, indices);
 these kernels read the array once, compact the hits into preallocated outputs, and detect NaN/Inf in
@@ -10,7 +11,7 @@ vector instructions. In a hit block a vectorized compare builds a 32-bit hit mas
 visited with ctz. About 1.1x the time of ``np.sum`` over the same array (measured: 16 ms vs 14.6 ms
 CPU for 25M float32 at density 0.01).
 """
-from libc.stdint cimport uint32_t, int64_t
+from libc.stdint cimport int32_t, uint32_t, int64_t
 
 cdef extern from *:
     """
@@ -150,41 +151,99 @@ def add_select_abs_ge(float[::1] r, const float[::1] g, float t, uint32_t[::1] i
     return c, bad, first_bad
 
 
+cdef extern from *:
+    """
+    #include <math.h>
+    #include <stdint.h>
+    #include <string.h>
+
+    /* The fixed-point rule of host_lib.quantize (docs/protocol.md, "Fixed point"), its one
+       definition: host_lib.quantize.quantize and the encoder's fused pass both call these. */
+
+    /* 2^e for -1022 <= e <= 1023 from its bits: no libm call, so a loop hoists it */
+    static inline double dosa_pow2(int e)
+    {
+        uint64_t b = (uint64_t)(e + 1023) << 52;
+        double d;
+        memcpy(&d, &b, 8);
+        return d;
+    }
+
+    /* rint(x * 2^s): exact scaling (a power of two; no float32 leaves the normal doubles at
+       |s| <= 64), round half to even. */
+    static inline double dosa_fixed(double x, int s) { return rint(x * dosa_pow2(s)); }
+
+    /* One finite float32 x to q (|q| <= c) and the remainder x - q * 2^-s, computed in float64 and
+       stored as float32 (exact unless G > c, below). A clipped entry (|rint(x * 2^s)| > c) goes to c
+       rounded down to a multiple of G = max(1, ulp(x) * 2^s), or to c itself when G > c. Returns 1
+       when x was clipped. */
+    static inline int dosa_quantize1(float xf, int s, double c, int32_t *q, float *rem)
+    {
+        double x = (double)xf, y = dosa_fixed(x, s);
+        int clipped = fabs(y) > c;
+        if (clipped) {
+            /* ulp of a normal float32 m * 2^e (0.5 <= m < 1) is 2^(e - 24); clipped entries are
+               normal (|x| * 2^s > c >= 2^25 with s <= 62) */
+            int e;
+            frexp(x, &e);
+            double g = ldexp(1.0, e - 24 + s);
+            if (g < 1.0) g = 1.0;
+            y = copysign(g <= c ? floor(c / g) * g : c, x);
+        }
+        *q = (int32_t)y;
+        *rem = (float)(x - y * dosa_pow2(-s));  /* y * 2^-s is exact: |y| <= 2^31 */
+        return clipped;
+    }
+    """
+    double dosa_fixed(double x, int s) nogil
+    int dosa_quantize1(float x, int s, double c, int32_t *q, float *rem) nogil
+
+
 cdef extern from "<math.h>" nogil:
-    double rint(double x)
-    double ldexp(double x, int e)
     double fabs(double x)
     int isfinite(double x)
 
 
+def quantize_into(const float[::1] x, int s, double clip, int32_t[::1] q_out, float[::1] rem_out):
+    """``host_lib.quantize.quantize``'s pass: every (finite) ``x[i]`` to ``q_out[i]`` (clipped to
+    ``clip``) and ``rem_out[i]``, by the rule above. NaN/Inf must be rejected before (quantize does);
+    returns the number of clipped entries."""
+    cdef Py_ssize_t n = x.shape[0], i, nclip = 0
+    if q_out.shape[0] != n or rem_out.shape[0] != n:
+        raise ValueError("quantize_into: x and the outputs need the same length")
+    with nogil:
+        for i in range(n):
+            nclip += dosa_quantize1(x[i], s, clip, &q_out[i], &rem_out[i])
+    return nclip
+
+
 def quantize_to_residual(const uint32_t[::1] idx, const float[::1] val, int s, double clip,
-                         float[::1] r, uint32_t[::1] idx_out, int[::1] q_out):
+                         float[::1] r, uint32_t[::1] idx_out, int32_t[::1] q_out):
     """The selected entries' fixed point and error feedback in one pass (host_lib.encoder):
     ``q = rint(val * 2^s)`` (round half to even, exact scaling), ``r[idx] = val - q * 2^-s`` (in
     float64, stored as float32), and the entries with ``q != 0`` compacted into ``idx_out``/``q_out``.
 
-    The same numbers as ``host_lib.quantize.quantize`` (its unclipped path). Returns the count kept,
-    or -1 when some ``|q|`` exceeds ``clip`` or a value is not finite: then nothing was written and
-    the caller takes the general path (clipping is rare: the scale is chosen to avoid it).
+    The same numbers as ``host_lib.quantize.quantize`` (the same C rule, unclipped). Returns the
+    count kept, or -1 when some ``|q|`` exceeds ``clip`` or a value is not finite: then nothing was
+    written and the caller takes the general path (clipping is rare: the scale is chosen to avoid it).
     """
     cdef Py_ssize_t n = idx.shape[0], i, c = 0
-    cdef double x, y
+    cdef int32_t q
+    cdef float rem
     if val.shape[0] != n or idx_out.shape[0] < n or q_out.shape[0] < n:
         raise ValueError("quantize_to_residual: idx, val and the outputs need one slot per entry")
     cdef Py_ssize_t rn = r.shape[0]
     with nogil:
         for i in range(n):  # check first: on a clip or NaN nothing may be written
-            x = ldexp(<double>val[i], s)
-            if not isfinite(x) or fabs(rint(x)) > clip or idx[i] >= rn:
+            if not isfinite(val[i]) or fabs(dosa_fixed(val[i], s)) > clip or idx[i] >= rn:
                 c = -1
                 break
         if c == 0:
             for i in range(n):
-                x = <double>val[i]
-                y = rint(ldexp(x, s))
-                r[idx[i]] = <float>(x - ldexp(y, -s))
-                if y != 0:
+                dosa_quantize1(val[i], s, clip, &q, &rem)  # never clips here (checked above)
+                r[idx[i]] = rem
+                if q != 0:
                     idx_out[c] = idx[i]
-                    q_out[c] = <int>y
+                    q_out[c] = q
                     c += 1
     return c

@@ -30,6 +30,7 @@ import math
 
 import numpy as np
 
+from host_lib._select import quantize_into
 from dosa.wire import INT32_MAX, MAX_WORKERS, SCALE_EXP_MAX, SCALE_EXP_MIN
 
 
@@ -70,18 +71,11 @@ def quantize(values, scale_exp: int, workers: int) -> tuple[np.ndarray, np.ndarr
     c = clip_bound(workers)
     x = np.asarray(values, dtype=np.float32)
     check_finite(x)
-    x64 = x.astype(np.float64)
-    r = np.rint(np.ldexp(x64, s))  # exact scaling (power of two), then round half to even
-    clipped = np.abs(r) > c
-    if clipped.any():
-        xc = x[clipped]
-        # ulp of a normal float32 m * 2^e (0.5 <= m < 1) is 2^(e - 24); clipped entries are normal
-        # (|x| * 2^s > C >= 2^25 with s <= 62).
-        g = np.maximum(1.0, np.ldexp(1.0, np.frexp(x64[clipped])[1] - 24 + s))
-        mag = np.where(g <= c, np.floor(c / g) * g, float(c))
-        r[clipped] = np.copysign(mag, xc)
-    q = r.astype(np.int32)
-    rem = (x64 - np.ldexp(r, -s)).astype(np.float32)
+    # the rule itself is C, defined once in host_lib/_select.pyx (dosa_quantize1) for this and the
+    # encoder's fused pass; float64 throughout, so the remainder is the float32 of an exact difference
+    q = np.empty(x.shape, np.int32)
+    rem = np.empty(x.shape, np.float32)
+    quantize_into(np.ascontiguousarray(x).reshape(-1), s, float(c), q.reshape(-1), rem.reshape(-1))
     return q, rem
 
 

@@ -220,6 +220,39 @@ def _worker(args) -> int:
         cpu["last"] = cpu["last"][args.warmup:]
         return times[args.warmup:]
 
+    def sparse_transport(rec: dict) -> None:
+        """The sparse methods' transport: allgather of the given selection (idx0, val0), its sum
+        checked against the selection's reference."""
+        touched["rows"] = None  # another method may have left the buffer dense
+        rec["transport"] = timed(lambda: sparse_sum(idx0, val0))
+        rec["cpu_transport"] = cpu["last"]
+        rec["check"] = _check(out_np, np.load(d / "ref_sparse.npy", mmap_mode="r"),
+                              np.load(d / "abs_sparse.npy", mmap_mode="r"), world)
+
+    def sparse_end_to_end(rec: dict, step, tag: str, label: str) -> None:
+        """The sparse methods' end to end: time ``step()`` (select from the dense gradient, then
+        sparse_sum; returns the (indices, values) it sent), then check the last round's result
+        against the float64 sum of what every host sent in it. The ranks exchange that through
+        files in the work dir (``{tag}_idx{r}.npy``, ``{tag}_val{r}.npy``), not through Gloo."""
+        sent = {}
+
+        def run():
+            sent["idx"], sent["val"] = step()
+        rec["end_to_end"] = timed(run)
+        rec["cpu_end_to_end"] = cpu["last"]
+        say(f"  {label}: median {np.median(rec['end_to_end']):.4f} s")
+        np.save(d / f"{tag}_idx{rank}.npy", sent["idx"])
+        np.save(d / f"{tag}_val{rank}.npy", sent["val"])
+        dist.barrier()
+        ref_e = np.zeros(numel, np.float64)
+        abs_e = np.zeros(numel, np.float32)
+        for r in range(world):
+            ir, vr = np.load(d / f"{tag}_idx{r}.npy"), np.load(d / f"{tag}_val{r}.npy")
+            ref_e[ir] += vr
+            abs_e[ir] += np.abs(vr)
+        rec["check_end_to_end"] = _check(out_np, ref_e, abs_e, world)
+        rec["selected_per_host_end_to_end"] = int(len(sent["idx"]))
+
     for m in args.methods:
         rec = {}
         if m == "gloo_dense":
@@ -232,69 +265,29 @@ def _worker(args) -> int:
                                   np.load(d / "abs_dense.npy", mmap_mode="r"), world)
             rec["end_to_end"] = rec["transport"]  # nothing to select: the same operation
         elif m == "gloo_sparse_allgather":
-            touched["rows"] = None  # another method may have left the buffer dense
-            rec["transport"] = timed(lambda: sparse_sum(idx0, val0))
-            rec["cpu_transport"] = cpu["last"]
+            sparse_transport(rec)
             say(f"  gloo_sparse_allgather transport: median {np.median(rec['transport']):.4f} s")
-            ref_s = np.load(d / "ref_sparse.npy", mmap_mode="r")
-            abs_s = np.load(d / "abs_sparse.npy", mmap_mode="r")
-            rec["check"] = _check(out_np, ref_s, abs_s, world)
-            sel = {}
 
             def e2e():
                 i = select(g, k)
-                sel["idx"] = i
-                sparse_sum(i, g[i])
-            rec["end_to_end"] = timed(e2e)
-            rec["cpu_end_to_end"] = cpu["last"]
-            say(f"  gloo_sparse_allgather end to end: median {np.median(rec['end_to_end']):.4f} s")
-            # check against the sum of what every host selected in the last round (files, not Gloo)
-            np.save(d / f"sel{rank}.npy", sel["idx"])
-            dist.barrier()
-            ref_e = np.zeros(numel, np.float64)
-            abs_e = np.zeros(numel, np.float32)
-            for r in range(world):
-                ir = np.load(d / f"sel{r}.npy")
-                gr = g if r == rank else np.load(d / f"grad{r}.npy", mmap_mode="r")
-                vr = np.asarray(gr[ir])
-                ref_e[ir] += vr
-                abs_e[ir] += np.abs(vr)
-            rec["check_end_to_end"] = _check(out_np, ref_e, abs_e, world)
-            rec["selected_per_host_end_to_end"] = int(len(sel["idx"]))
-            del ref_e, abs_e
+                v = g[i]
+                sparse_sum(i, v)
+                return i, v
+            sparse_end_to_end(rec, e2e, "sel", "gloo_sparse_allgather end to end")
         elif m == "dgc_allgather":
             from host_lib.compress import select_topk
 
-            touched["rows"] = None
-            rec["transport"] = timed(lambda: sparse_sum(idx0, val0))
-            rec["cpu_transport"] = cpu["last"]
-            rec["check"] = _check(out_np, np.load(d / "ref_sparse.npy", mmap_mode="r"),
-                                  np.load(d / "abs_sparse.npy", mmap_mode="r"), world)
-            touched["rows"] = None
+            sparse_transport(rec)
             resid = np.zeros(numel, np.float32)
             rng = np.random.default_rng(rank)
-            sel = {}
 
             def e2e_ef():
                 i, v = select_topk(g, meta["density"], "fast", rng=rng, residual_out=resid)
                 resid[i] = 0  # sent: DGC keeps no remainder of what went out
-                sel["idx"], sel["val"] = i, v
                 sparse_sum(i.astype(np.int64), v)
-            rec["end_to_end"] = timed(e2e_ef)
-            rec["cpu_end_to_end"] = cpu["last"]
-            say(f"  dgc_allgather end to end (error feedback): median {np.median(rec['end_to_end']):.4f} s")
-            np.save(d / f"dgc_idx{rank}.npy", sel["idx"])
-            np.save(d / f"dgc_val{rank}.npy", sel["val"])
-            dist.barrier()
-            ref_e = np.zeros(numel, np.float64)
-            abs_e = np.zeros(numel, np.float32)
-            for r in range(world):
-                ir, vr = np.load(d / f"dgc_idx{r}.npy"), np.load(d / f"dgc_val{r}.npy")
-                ref_e[ir] += vr
-                abs_e[ir] += np.abs(vr)
-            rec["check_end_to_end"] = _check(out_np, ref_e, abs_e, world)
-            rec["selected_per_host_end_to_end"] = int(len(sel["idx"]))
-            del ref_e, abs_e, resid
+                return i, v
+            sparse_end_to_end(rec, e2e_ef, "dgc", "dgc_allgather end to end (error feedback)")
+            del resid
         else:
             raise SystemExit(f"unknown method {m}")
         result["methods"][m] = rec

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from dosa.demo import free_port, stop_processes
+from dosa.demo import free_port
 from dosa.job import JobConfig
+from userspace_dpus import userspace_dpu_workers
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,23 +24,11 @@ def test_process_exits_cleanly_while_the_stream_thread_is_in_torch(tmp_path):
                     dpus=[("127.0.0.1", free_port())], partition_size=4096, scale_exp=12)
     cfg = tmp_path / "job.json"
     cfg.write_text(json.dumps(job.to_dict()))
-    ready = tmp_path / "dpu.ready"
-    dpu = subprocess.Popen([sys.executable, "-m", "dosa", "dpu", "run", "--mode", "userspace",
-                            "--job-config", str(cfg), "--addr", "127.0.0.1", "--port", str(job.dpus[0][1]),
-                            "--pid-file", str(ready)],
-                           cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        end = time.monotonic() + 60
-        while not ready.exists():
-            assert dpu.poll() is None, dpu.stderr.read().decode()
-            assert time.monotonic() < end, "DPU worker not ready"
-            time.sleep(0.05)
+    with userspace_dpu_workers([cfg]):
         runs = [subprocess.run([sys.executable, str(REPO / "tests/unit/stream_exit_rank.py"), str(cfg)],
                                cwd=REPO, capture_output=True, text=True, timeout=60,
                                env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
                 for _ in range(3)]
-    finally:
-        stop_processes([dpu])
     for r in runs:
         assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
         assert "returns while the stream's thread is in torch" in r.stdout

@@ -7,14 +7,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dosa.demo import free_port, stop_processes
+from dosa.demo import free_port
 from dosa.job import JobConfig
+from userspace_dpus import userspace_dpu_workers
 
 REPO = Path(__file__).resolve().parents[2]
 NUMEL = 32 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
@@ -24,26 +24,16 @@ CONFIGS = [("f32_overlap", "float32", 1), ("f32_blocking", "float32", 0),
 
 @pytest.mark.timeout(180)
 def test_two_ranks_overlap_equals_blocking_and_half_precision_trains(tmp_path):
-    workers, specs = [], []
-    try:
-        hosts = [("127.0.0.1", free_port()), ("127.0.0.1", free_port())]
-        for j, (name, dtype, overlap) in enumerate(CONFIGS):
-            job = JobConfig(job_id=10 + j, numel=NUMEL, hosts=hosts, dpus=[("127.0.0.1", free_port())],
-                            partition_size=4096, scale_exp=20)
-            cfg = tmp_path / f"{name}.json"
-            cfg.write_text(json.dumps(job.to_dict()))
-            ready = tmp_path / f"{name}.ready"
-            workers.append((subprocess.Popen(
-                [sys.executable, "-m", "dosa", "dpu", "run", "--mode", "userspace", "--job-config",
-                 str(cfg), "--addr", "127.0.0.1", "--port", str(job.dpus[0][1]), "--pid-file", str(ready)],
-                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True), ready))
-            specs.append(f"{name}:{dtype}:{overlap}:{cfg}")
-        end = time.monotonic() + 60
-        for p, ready in workers:
-            while not ready.exists():
-                assert p.poll() is None, p.stderr.read().decode()
-                assert time.monotonic() < end, "DPU worker not ready"
-                time.sleep(0.05)
+    hosts = [("127.0.0.1", free_port()), ("127.0.0.1", free_port())]
+    cfgs, specs = [], []
+    for j, (name, dtype, overlap) in enumerate(CONFIGS):
+        job = JobConfig(job_id=10 + j, numel=NUMEL, hosts=hosts, dpus=[("127.0.0.1", free_port())],
+                        partition_size=4096, scale_exp=20)
+        cfg = tmp_path / f"{name}.json"
+        cfg.write_text(json.dumps(job.to_dict()))
+        cfgs.append(cfg)
+        specs.append(f"{name}:{dtype}:{overlap}:{cfg}")
+    with userspace_dpu_workers(cfgs):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port(1)), WORLD_SIZE="2",
                    PYTHONPATH=str(REPO))
         ranks = [subprocess.Popen([sys.executable, str(REPO / "tests/unit/hook_ranks.py"),
@@ -53,8 +43,6 @@ def test_two_ranks_overlap_equals_blocking_and_half_precision_trains(tmp_path):
         for r in ranks:
             _, err = r.communicate(timeout=150)
             assert r.returncode == 0, err.decode()[-3000:]
-    finally:
-        stop_processes([p for p, _ in workers])
     rep = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for name, _, overlap in CONFIGS:
         a, b = rep[0][name], rep[1][name]
