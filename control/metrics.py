@@ -108,9 +108,15 @@ def _worker(doc: dict) -> list:
     for k in ("malformed", "unknown_job", "unknown_worker", "bad_source", "not_owner",
               "unsupported_type"):
         drops.add_metric([k], st.get(k, 0))
+    events = CounterMetricFamily("dosa_worker_completion_events",
+                                 "Completion events of jobs the DPU worker did not serve yet when "
+                                 "they arrived: parked then handled, or lost (unknown)",
+                                 labels=["outcome"])
+    for k, name in (("completion_parked", "parked"), ("completion_unknown", "unknown")):
+        events.add_metric([name], st.get(k, 0))
     up = GaugeMetricFamily("dosa_worker_up", "1 when the DPU worker published its counters recently")
     up.add_metric([], 1)
-    return [*fams.values(), answers, merged, drops, up]
+    return [*fams.values(), answers, merged, drops, events, up]
 
 
 def _registry_jobs(service) -> list:
@@ -145,7 +151,13 @@ class DosaCollector:
         if doc is not None:
             yield from _worker(doc)
         else:
-            up = GaugeMetricFamily("dosa_worker_up", "1 when the DPU worker published its counters recently")
+            events = CounterMetricFamily("dosa_worker_completion_events",
+                                 "Completion events of jobs the DPU worker did not serve yet when "
+                                 "they arrived: parked then handled, or lost (unknown)",
+                                 labels=["outcome"])
+    for k, name in (("completion_parked", "parked"), ("completion_unknown", "unknown")):
+        events.add_metric([name], st.get(k, 0))
+    up = GaugeMetricFamily("dosa_worker_up", "1 when the DPU worker published its counters recently")
             up.add_metric([], 0)
             yield up
         yield from _registry_jobs(self.service)

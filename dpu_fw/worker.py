@@ -62,6 +62,12 @@ NACK_REPEAT_PARTIAL_S = 0.01
 EMIT_CHUNK = 32
 #: Seconds between two writes of the stats file (dpu run --stats-file), for /metrics.
 STATS_EVERY = 0.5
+#: completion events of a job this worker does not serve yet are kept this long (the dataplane had
+#: the job installed before this worker's discovery saw it: a job's first partition can complete
+#: within milliseconds of the install), then handled once the job is served, else counted
+#: ``completion_unknown``; at most PARKED_MAX per job are kept
+PARKED_S = 2.0
+PARKED_MAX = 65536
 
 
 class JobRuntime:
@@ -337,6 +343,7 @@ class DpuWorker:
         self._static = {j.job_id for j in jobs}  # given at start: never dropped by discovery
         self._next_scan = 0.0
         self._next_discover = 0.0
+        self._parked: dict[int, tuple[float, list]] = {}  # job id -> (first seen, completions)
         self._xdp_poll = None  # XDP mode: waits on the completion ring and the socket at once
         self.jobs: dict[int, JobRuntime] = {}
         if mode == "xdp":
@@ -444,6 +451,8 @@ class DpuWorker:
 
     def step(self, timeout: float) -> None:
         self._discover()
+        if self._parked:
+            self._unpark()
         if self.maps is not None:
             # wait for a completion event or a packet, whichever comes first (at most 2 ms): a
             # completion frees an aggregation slot every host's window may be waiting for, so it
@@ -491,7 +500,7 @@ class DpuWorker:
                 self._discover(urgent=True)
                 rt = self.jobs.get(job_id)
             if rt is None:
-                self.stats["completion_unknown"] += len(cs)
+                self._park(job_id, cs)
                 continue
             ok = [(int(rt.local_of[c.partition]), int(c.round)) for c in cs
                   if 0 <= c.partition < len(rt.local_of) and rt.local_of[c.partition] >= 0]
@@ -499,6 +508,26 @@ class DpuWorker:
             if ok:
                 rt.complete_many(ok, self.ep)
                 self.stats["completions"] += len(ok)
+
+    def _park(self, job_id: int, cs: list) -> None:
+        """Keep completions of a job not served yet (PARKED_S); beyond PARKED_MAX they are lost."""
+        since, kept = self._parked.setdefault(job_id, (time.monotonic(), []))
+        room = PARKED_MAX - len(kept)
+        kept.extend(cs[:max(0, room)])
+        self.stats["completion_unknown"] += max(0, len(cs) - max(0, room))
+
+    def _unpark(self) -> None:
+        """Handle the parked completions of jobs served now; count those parked too long."""
+        now = time.monotonic()
+        for job_id in list(self._parked):
+            since, cs = self._parked[job_id]
+            if job_id in self.jobs:
+                del self._parked[job_id]
+                self.stats["completion_parked"] += len(cs)
+                self._on_completions(cs)
+            elif now - since > PARKED_S:
+                del self._parked[job_id]
+                self.stats["completion_unknown"] += len(cs)
 
     # ------------------------------------------------------------------ one received batch
     def handle(self, batch: PacketBatch, src_ip: np.ndarray, src_port: np.ndarray) -> None:
