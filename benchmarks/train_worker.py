@@ -264,7 +264,8 @@ def main(argv=None) -> None:
                            "buckets_per_step": d["buckets_per_step"], "mean_density": d["mean_density"],
                            "hook_block_s_per_step": float(np.median(hs)) if hs else None,
                            "dosa_payload_bytes_per_step": (d["bytes_sent"] + d["bytes_received"]) / max(step, 1),
-                           "retransmissions": d["retransmissions"]}
+                           "retransmissions": d["retransmissions"],
+                           "retransmit_causes": d["retransmit_causes"]}
         with open(args.out, "w") as f:
             json.dump(rec, f)
     dist.destroy_process_group()

@@ -11,6 +11,7 @@ host_lib.round, importable from here) or ``StaleJobError`` (host_lib.membership)
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import time
 
@@ -117,6 +118,11 @@ class AggregationClient:
         self._encoder: RoundEncoder | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.retransmissions = 0
+        #: what the retransmissions were, by cause: asks for a result not started (``ask_result``),
+        #: for the missing packets of a partial one (``ask_packets``), this host's data resent after
+        #: two unanswered asks (``resend_unanswered``) or because a STATUS named it (``resend_nack``);
+        #: partitions (packets for the resends) — where a round's recovery time goes
+        self.retransmit_causes: collections.Counter = collections.Counter()
         #: the retransmission timer, from the round trips this client measured (host_lib/rto.py)
         self.rtt = RttEstimator(self.retx_interval)
         self._rng = np.random.default_rng() if shuffle_sends else None
@@ -157,7 +163,8 @@ class AggregationClient:
     def stats(self) -> dict:
         return {"bytes_sent": self.ep.sent_bytes, "bytes_received": self.ep.recv_bytes,
                 "packets_sent": self.ep.sent_packets, "packets_received": self.ep.recv_packets,
-                "retransmissions": self.retransmissions, "rounds": self.round}
+                "retransmissions": self.retransmissions, "rounds": self.round,
+                "retransmit_causes": dict(self.retransmit_causes)}
 
     def allreduce(self, array: np.ndarray) -> np.ndarray:
         """Sum ``array`` (float32, ``job.numel`` entries) over all hosts; returns float32.

@@ -212,6 +212,7 @@ class Round:
                 need.append(p)
         if need:  # the DPU lacks (part of) our contribution: it was lost, resend it
             self._resend_data(np.unique(need))
+            self.c.retransmit_causes["resend_nack"] += len(np.unique(need))
 
     def _retransmit(self, now: float, last_progress: float) -> None:
         """Re-request what is overdue. A partition's timer runs from its last send or from the
@@ -256,8 +257,10 @@ class Round:
         self.unanswered[nores] += 1
         if len(resend):
             self._resend_data(resend)
+            c.retransmit_causes["resend_unanswered"] += len(resend)
         if len(nores):
             self._send_retx_all(nores)
+            c.retransmit_causes["ask_result"] += len(nores)
         reqs = []
         for p in partial.tolist():
             have = self.got[p, :self.res_total[p]]
@@ -267,6 +270,7 @@ class Round:
             rb = PacketBatch.from_packets([q for q, _ in reqs], dest=[d for _, d in reqs])
             c.ep.send_to_table(rb, c.dpu_table)
             c.retransmissions += len(reqs)
+            c.retransmit_causes["ask_packets"] += len(reqs)
         self.last_tx[due] = now
         self.tries[due] += 1
 

@@ -69,6 +69,8 @@ class DosaHookStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     retransmissions: int = 0
+    #: the client's retransmissions by cause (AggregationClient.retransmit_causes), this hook's run
+    retransmit_causes: dict[str, int] = field(default_factory=dict)
     entries_sent: int = 0  #: nonzero (index, value) pairs this host sent
     numel: int = 0  #: size of the whole gradient (all buckets)
     buckets_per_step: int = 0  #: DDP buckets of the last dosa step
@@ -81,6 +83,7 @@ class DosaHookStats:
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["densities"] = list(self.densities)
+        d["retransmit_causes"] = dict(self.retransmit_causes)
         d["hook_seconds_per_step"] = list(self.hook_seconds_per_step)
         d["mean_density"] = float(np.mean(self.densities)) if self.densities else 0.0
         d["bytes_per_round"] = ((self.bytes_sent + self.bytes_received) / self.dosa_rounds
@@ -511,6 +514,9 @@ class DosaHookState:
         if self._client is not None:
             for key, val in hook_codec.client_counters(self._client).items():
                 setattr(self.stats, key, val - self._client_base.get(key, 0))
+            causes = getattr(self._client, "retransmit_causes", None)
+            if causes is not None:
+                self.stats.retransmit_causes = dict(causes)
 
 
 def carry_over(old_layouts: dict, old_arrays: dict, layout: tuple, numel: int) -> torch.Tensor:

@@ -96,6 +96,7 @@ def test_a_lost_data_packet_is_nacked_by_the_dpu_and_the_sum_stays_exact(monkeyp
         # resent its data on that NACK
         assert w.stats["nack_sent"] + sum(rt.nacks_on_ask for rt in w.jobs.values()) >= 1
         assert cs[1].retransmissions >= 1
+        assert cs[1].retransmit_causes["resend_nack"] >= 1, dict(cs[1].retransmit_causes)
         # (host 0 may still ask for the result once: its RTO follows the measured RTT, and on a
         # loaded machine host 1's resend can come later than that; a count of 0 is not guaranteed)
     finally:
