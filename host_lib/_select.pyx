@@ -11,7 +11,7 @@ vector instructions. In a hit block a vectorized compare builds a 32-bit hit mas
 visited with ctz. About 1.1x the time of ``np.sum`` over the same array (measured: 16 ms vs 14.6 ms
 CPU for 25M float32 at density 0.01).
 """
-from libc.stdint cimport int32_t, uint32_t, int64_t
+from libc.stdint cimport int32_t, uint8_t, uint32_t, int64_t
 
 cdef extern from *:
     """
@@ -247,3 +247,39 @@ def quantize_to_residual(const uint32_t[::1] idx, const float[::1] val, int s, d
                     q_out[c] = q
                     c += 1
     return c
+
+
+
+def missing_from_sorted(const uint32_t[::1] a, const int32_t[::1] av, const uint32_t[::1] b,
+                        uint32_t[::1] out, int32_t[::1] outv):
+    """The entries (a[i], av[i]) whose a[i] is not in b, compacted into out/outv; returns how many.
+    ``a`` and ``b`` must be strictly ascending: one linear merge (gtopk's fold-back: which of the
+    entries a host sent the DPU's result left out; np.isin sorts both, and the boolean indexing
+    after it is another two passes). Raises ValueError when either is not strictly ascending, so a
+    wrong answer cannot pass."""
+    cdef Py_ssize_t i, j = 0, k = 0, n = a.shape[0], m = b.shape[0]
+    cdef bint bad = False
+    cdef uint32_t x
+    if av.shape[0] != n or out.shape[0] < n or outv.shape[0] < n:
+        raise ValueError("missing_from_sorted: one value per index and outputs as long as a")
+    with nogil:
+        for i in range(1, n):
+            if a[i] <= a[i - 1]:
+                bad = True
+                break
+        if not bad:
+            for i in range(1, m):
+                if b[i] <= b[i - 1]:
+                    bad = True
+                    break
+        if not bad:
+            for i in range(n):
+                x = a[i]
+                while j < m and b[j] < x:
+                    j += 1
+                out[k] = x
+                outv[k] = av[i]
+                k += not (j < m and b[j] == x)
+    if bad:
+        raise ValueError("missing_from_sorted: both arrays must be strictly ascending")
+    return k

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from host_lib.compress import FAST_MIN_NUMEL, METHODS, FastStats, sample_size, select_topk, target_k
-from host_lib._select import quantize_to_residual
+from host_lib._select import missing_from_sorted, quantize_to_residual
 from host_lib.quantize import _check_scale, clip_bound, dequantize, quantize
 
 BACKENDS = ("auto", "numpy", "torch")
@@ -171,8 +171,18 @@ class RoundEncoder:
     def unapplied(self, sent: EncodedRound, result_indices) -> tuple[np.ndarray, np.ndarray]:
         """The part of ``sent`` whose indices are not in ``result_indices`` (what gtopk dropped):
         (indices, q) to pass to :meth:`fold_back`."""
-        keep = ~np.isin(sent.indices, np.asarray(result_indices), assume_unique=True)
-        return sent.indices[keep], sent.values[keep]
+        a, av = np.asarray(sent.indices), np.asarray(sent.values)
+        b = np.asarray(result_indices)
+        if a.dtype == np.uint32 and av.dtype == np.int32 and b.dtype == np.uint32:
+            out, outv = np.empty(len(a), np.uint32), np.empty(len(a), np.int32)
+            try:  # both ascending, as encode() and a round give them: one linear merge
+                n = missing_from_sorted(np.ascontiguousarray(a), np.ascontiguousarray(av),
+                                        np.ascontiguousarray(b), out, outv)
+                return out[:n], outv[:n]
+            except ValueError:  # not ascending: the general way below
+                pass
+        keep = ~np.isin(a, b, assume_unique=True)
+        return a[keep], av[keep]
 
     def fold_back(self, indices, q, scale_exp: int) -> None:
         """Add ``q * 2^-s`` back into the residual at ``indices`` (unique): entries this host sent
@@ -261,3 +271,4 @@ def _select_torch(r: torch.Tensor, g: torch.Tensor, k: int, method: str, gen: to
         elif c < k * (1 - tolerance):
             idx = torch.sort(torch.topk(mag, k, sorted=False).indices).values
     return idx, r[idx]
+

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from host_lib.compress import target_k
-from host_lib.encoder import RoundEncoder
+from host_lib.encoder import EncodedRound, RoundEncoder
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -124,3 +124,23 @@ def test_fused_quantize_pass_gives_quantizes_numbers(clip):
     np.testing.assert_array_equal(e.values, q[nz])
     np.testing.assert_array_equal(enc.residual, r)
     assert e.values.dtype == np.int32 and e.indices.dtype == np.uint32
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_unapplied_merge_equals_isin_whatever_the_order(seed):
+    """unapplied's linear merge (both sides ascending) and its np.isin fallback (any order) give
+    the entries of ``sent`` missing from the result, nothing else."""
+    rng = np.random.default_rng(seed)
+    enc = RoundEncoder(1_000_000, 0.01, 4)
+    idx = np.unique(rng.integers(0, 1_000_000, 20_000)).astype(np.uint32)
+    q = rng.integers(-50, 50, len(idx)).astype(np.int32)
+    res = np.unique(np.concatenate([idx[rng.random(len(idx)) < 0.5],
+                                    rng.integers(0, 1_000_000, 5_000)]).astype(np.uint32))
+    want = ~np.isin(idx, res)
+    got_i, got_q = enc.unapplied(EncodedRound(idx, q, 8), res)
+    assert np.array_equal(got_i, idx[want]) and np.array_equal(got_q, q[want])
+    rev = np.arange(len(idx))[::-1]  # not ascending: the fallback, same entries
+    ri, rq = enc.unapplied(EncodedRound(idx[rev], q[rev], 8), res[::-1].copy())
+    assert np.array_equal(np.sort(ri), idx[want]) and sorted(rq.tolist()) == sorted(q[want].tolist())
+    ei, eq = enc.unapplied(EncodedRound(idx, q, 8), np.zeros(0, np.uint32))  # nothing applied
+    assert np.array_equal(ei, idx) and np.array_equal(eq, q)
