@@ -271,4 +271,3 @@ def _select_torch(r: torch.Tensor, g: torch.Tensor, k: int, method: str, gen: to
         elif c < k * (1 - tolerance):
             idx = torch.sort(torch.topk(mag, k, sorted=False).indices).values
     return idx, r[idx]
-

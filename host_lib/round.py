@@ -211,8 +211,9 @@ class Round:
                     time.monotonic() - self.last_resend[p] > GAP_GRACE_S:  # the DPU paces NACKs
                 need.append(p)
         if need:  # the DPU lacks (part of) our contribution: it was lost, resend it
-            self._resend_data(np.unique(need))
-            self.c.retransmit_causes["resend_nack"] += len(np.unique(need))
+            parts = np.unique(need)
+            self._resend_data(parts)
+            self.c.retransmit_causes["resend_nack"] += len(parts)
 
     def _retransmit(self, now: float, last_progress: float) -> None:
         """Re-request what is overdue. A partition's timer runs from its last send or from the
