@@ -151,13 +151,7 @@ class DosaCollector:
         if doc is not None:
             yield from _worker(doc)
         else:
-            events = CounterMetricFamily("dosa_worker_completion_events",
-                                 "Completion events of jobs the DPU worker did not serve yet when "
-                                 "they arrived: parked then handled, or lost (unknown)",
-                                 labels=["outcome"])
-    for k, name in (("completion_parked", "parked"), ("completion_unknown", "unknown")):
-        events.add_metric([name], st.get(k, 0))
-    up = GaugeMetricFamily("dosa_worker_up", "1 when the DPU worker published its counters recently")
+            up = GaugeMetricFamily("dosa_worker_up", "1 when the DPU worker published its counters recently")
             up.add_metric([], 0)
             yield up
         yield from _registry_jobs(self.service)

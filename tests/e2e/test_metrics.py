@@ -100,4 +100,7 @@ def test_metrics_scraped_during_a_real_run_are_the_dataplanes_and_the_workers_co
     # every completion the XDP program emitted was answered by the worker with a result
     assert worker_completions == completions, (worker_completions, completions, {k: v for k, v in after.items() if "complet" in k[0] or "unknown" in k[0]})
     assert after[("dosa_worker_result_packets_total", jl)] >= worker_completions
+    # no completion event was lost (one that came before the worker served the job was parked)
+    assert after[("dosa_worker_completion_events_total", (("outcome", "unknown"),))] == 0
+    assert ("dosa_worker_completion_events_total", (("outcome", "parked"),)) in after
     assert ("dosa_worker_retransmission_answers_total", (("job_id", job), ("outcome", "retx_answered"))) in after
