@@ -45,8 +45,12 @@ print(json.dumps({"received": len(seqs), "unique": len(set(seqs)), "late": late}
 """
 
 SENDER = r"""
-import socket, struct, sys
+import os, socket, struct, sys
 addr, port, count, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+# one CPU: a veth transmit queues to the receiving side's backlog of the CPU the sender runs on, so
+# a sender that migrates mid-stream can reorder two packets itself, whatever the links do (the
+# rare 'late': 1 of an unimpaired link); what is measured here is the links' reordering
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # blocking: a full queue waits, never drops
 pad = b"x" * (size - 4)
 for i in range(count):
