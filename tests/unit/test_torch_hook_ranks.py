@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,9 +41,15 @@ def test_two_ranks_overlap_equals_blocking_and_half_precision_trains(tmp_path):
                                    str(tmp_path / f"rank{r}.json"), *specs],
                                   cwd=REPO, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                                   stderr=subprocess.PIPE, start_new_session=True) for r in range(2)]
-        for r in ranks:
-            _, err = r.communicate(timeout=150)
-            assert r.returncode == 0, err.decode()[-3000:]
+        try:
+            for r in ranks:
+                _, err = r.communicate(timeout=150)
+                assert r.returncode == 0, err.decode()[-3000:]
+        finally:  # a failed or timed-out rank leaves no process behind (its session is its own)
+            for r in ranks:
+                if r.poll() is None:
+                    os.killpg(r.pid, signal.SIGKILL)
+                    r.wait()
     rep = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for name, _, overlap in CONFIGS:
         a, b = rep[0][name], rep[1][name]
