@@ -61,3 +61,19 @@ def hostport_arg(s: str) -> tuple[str, int]:
         return parse_hostport(s)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+#: getsockopt(IPPROTO_IP, IP_MTU) of a connected socket: the route's MTU to that address (Linux)
+_IP_MTU = getattr(socket, "IP_MTU", 14)
+
+
+def path_mtu(addr: str, port: int = 9) -> int | None:
+    """The MTU of this network namespace's route to ``addr`` (a connected UDP socket's IP_MTU; no
+    packet is sent), or None when it cannot be read. A job created from a host takes the largest
+    wire MTU its path allows (``min(path_mtu, wire.MAX_MTU)``)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((addr, port))
+            return int(s.getsockopt(socket.IPPROTO_IP, _IP_MTU))
+    except (OSError, ValueError):
+        return None

@@ -20,7 +20,8 @@ import numpy as np
 from dosa.env import RankEnv
 from dosa.errors import DosaError
 from dosa.job import JobConfig
-from dosa.net import addr_arrays, multicast_group
+from dosa import wire
+from dosa.net import addr_arrays, multicast_group, path_mtu
 from dosa.packetizer import packetize
 from dosa.transport import UdpEndpoint
 
@@ -157,6 +158,12 @@ class AggregationClient:
         if env.dpu_addrs:
             join["dpus"] = env.dpu_addrs
         join.update(kw.pop("join", None) or {})
+        if "mtu" not in join:
+            # the largest frame the path to the DPU takes (every rank computes the same on a fabric
+            # of one MTU, so the job's first joiner and the rest agree)
+            mtu = path_mtu(str((env.dpu_addrs or [env.control[0]])[0]).split(":")[0])
+            if mtu is not None and mtu >= wire.MIN_MTU:
+                join["mtu"] = min(mtu, wire.MAX_MTU)
         return cls(worker_id=env.rank, control=env.control, numel=numel, join=join, **kw)
 
     @property
