@@ -25,7 +25,6 @@ import time
 
 import numpy as np
 
-from dosa import wire
 from dosa.errors import DosaError
 from dosa.job import DPU_MODES, JobConfig
 from dosa.net import addr_arrays, multicast_group

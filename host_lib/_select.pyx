@@ -249,7 +249,6 @@ def quantize_to_residual(const uint32_t[::1] idx, const float[::1] val, int s, d
     return c
 
 
-
 def missing_from_sorted(const uint32_t[::1] a, const int32_t[::1] av, const uint32_t[::1] b,
                         uint32_t[::1] out, int32_t[::1] outv):
     """The entries (a[i], av[i]) whose a[i] is not in b, compacted into out/outv; returns how many.

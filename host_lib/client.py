@@ -161,7 +161,7 @@ class AggregationClient:
         if "mtu" not in join:
             # the largest frame the path to the DPU takes (every rank computes the same on a fabric
             # of one MTU, so the job's first joiner and the rest agree)
-            mtu = path_mtu(str((env.dpu_addrs or [env.control[0]])[0]).split(":")[0])
+            mtu = path_mtu((env.dpu_addrs or [env.control[0]])[0])  # plain IPv4 addresses
             if mtu is not None and mtu >= wire.MIN_MTU:
                 join["mtu"] = min(mtu, wire.MAX_MTU)
         return cls(worker_id=env.rank, control=env.control, numel=numel, join=join, **kw)
