@@ -179,6 +179,18 @@ def _wait_files(files: list[Path], what: str, timeout: float = 120.0) -> None:
         time.sleep(0.002)
 
 
+def _barrier(folder: Path, tag: str, rank: int, workers: int) -> None:
+    """Every host marks ``tag`` in ``folder`` and waits for all the others' marks.
+
+    Around every timed round: a round starts when every host is ready (as the baselines'
+    ``dist.barrier()``), and no host starts its untimed work (checking, writing its entries) before
+    every host has finished the round. The hosts share cores on the testbed, so one host's checking
+    would otherwise run inside another host's timed round (the baselines check only after their
+    last round)."""
+    (folder / f"{tag}.{rank}").touch()
+    _wait_files([folder / f"{tag}.{w}" for w in range(workers)], f"its {tag} mark")
+
+
 #: Partition ranges a host's end-to-end round is cut into (DOSA_BENCH_E2E_CHUNKS; 1 = one blocking
 #: allreduce_sparse of the whole gradient): each range is encoded and handed to the round's
 #: SparseStream at once, so its packets are on the wire while the next range is encoded, and each
@@ -319,6 +331,7 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if chunks is not None:  # the stream's background thread: receive, absorb, retransmit, decode
             phases["stream thread"] = phases.get("stream thread", 0.0) + dc - (time.thread_time() - m0)
+        _barrier(e2e_dir, f"end{r}", rank, workers)  # the checks below stay out of every timed round
         vals = dequantize(sums, scale)  # untimed: the check of the dense output below
         dense_ok &= bool(np.count_nonzero(out) == np.count_nonzero(vals)
                          and np.array_equal(out[ridx], vals))
@@ -407,6 +420,8 @@ def host_main(argv=None) -> int:
                 prof = cProfile.Profile(time.process_time)
                 prof.enable()
             dpu0 = None
+            marks = Path(a.out) / "marks"  # the hosts' round barriers (_barrier)
+            marks.mkdir(exist_ok=True)
             for r in range(a.warmup + a.rounds):
                 if r == a.warmup:
                     c.phase_cpu.clear()
@@ -414,9 +429,11 @@ def host_main(argv=None) -> int:
                            c.ep.recv_datagrams, c.ep.sent_packets, c.ep.recv_packets)
                     dpu0 = _proc_cpu_s(_dpu_pids()) if rank == 0 else None
                 s0, r0, x0 = c.ep.sent_bytes, c.ep.recv_bytes, c.retransmissions
+                _barrier(marks, f"start{r}", rank, workers)
                 t0, c0, o0 = time.perf_counter(), time.process_time(), os.times()
                 ridx, sums = c.allreduce_sparse(idx, q, scale)
                 dt, dc, o1 = time.perf_counter() - t0, time.process_time() - c0, os.times()
+                _barrier(marks, f"end{r}", rank, workers)  # the check below: outside every timed round
                 ok = _check(a.mode, ridx, sums, ref_idx, ref_sum, c.job)
                 rec["rounds_checked"] += 1
                 rec["rounds_wrong"] += 0 if ok else 1
