@@ -173,6 +173,12 @@ class Testbed:
         # no STP (ports forward at once), no multicast snooping (multicast is flooded to all ports,
         # so a group works without IGMP queriers), no IPv6 link-local chatter in captures
         nl.bridge_add(fab, BRIDGE, BRIDGE_MAC)
+        # a switch forwards frames; it does not run the IP firewall on them: the kernel's bridge
+        # netfilter (built in here) would send every bridged frame through the iptables hooks of
+        # the fabric namespace, an allocation and a hook walk per packet on the sender's core
+        ns.sh(["ip", "netns", "exec", fab, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0",
+               "net.bridge.bridge-nf-call-ip6tables=0", "net.bridge.bridge-nf-call-arptables=0"],
+              check=False)
         nl.link_set(fab, BRIDGE, addrgenmode_none=True)
         nl.link_set(fab, BRIDGE, up=True)
         for n in self._track(layout.nodes, "testbed up: nodes", "node"):
