@@ -47,15 +47,16 @@ NACK_GUARD = 0.002
 #: Seconds after a fan-out during which an explicit ask for the whole result is not answered: the
 #: result is still on its way (a host starved of CPU asks before it has read it).
 ASK_GUARD = 0.02
-#: The NACK scan (JobRuntime.nack_scan): how often, and how long a worker may lag behind the others
-#: of a (partition, round) before it is told: its packets come back to back, so one whose first
-#: packets are in and the rest not for NACK_PARTIAL_S lost them; one with none in may just be slow
-#: (hosts start a round tens of ms apart on a loaded machine): it is told only after NACK_ABSENT_S.
+#: The NACK scan (JobRuntime.nack_scan): how often, how long a worker may miss from a (partition,
+#: round) before it is told, and how often again. A worker is NACKed only on evidence of loss: it
+#: has delivered a later partition of this DPU (a host sends its partitions in order, and one host's
+#: packets reach a DPU in order), like TCP's fast retransmit after duplicate ACKs. A worker that is
+#: merely late (hosts start a round tens of ms apart on a loaded machine, its packets still queued
+#: before the DPU) shows no such evidence and is left to its own retransmission timer, which asks and
+#: gets a STATUS naming it: NACKing it would only make it resend what is already on its way.
 NACK_SCAN_S = 0.002
-NACK_PARTIAL_S = 0.002
-NACK_ABSENT_S = 0.01
-NACK_REPEAT_S = 0.03
-NACK_REPEAT_PARTIAL_S = 0.01
+NACK_GRACE_S = 0.002
+NACK_REPEAT_S = 0.01
 #: Completed partitions whose results are built and sent per sendmmsg batch: results then flow to the
 #: hosts while the rest are built (a host seeing no progress for its retransmission interval asks again).
 EMIT_CHUNK = 32
@@ -101,6 +102,9 @@ class JobRuntime:
         self._nacked: dict[tuple[int, int, int], float] = {}
         self._stuck: dict[tuple[int, int, int], float] = {}  # (lp, rnd, w) -> first seen missing
         self.nacks_on_ask = 0  # NACKs (a STATUS naming its recipient) sent on an ask; the scan's: worker stats
+        #: per worker, the latest (round, local partition) it delivered whole here, as a key
+        #: (``_key``): the evidence a NACK needs (a gap before it is a loss, not lateness)
+        self.delivered = np.full(job.workers, -1, np.int64)
         #: this job's counters on this DPU (completions, result packets/entries, answers to
         #: retransmission requests by outcome, userspace merge verdicts): /metrics serves them
         self.stats = collections.Counter()
@@ -116,6 +120,14 @@ class JobRuntime:
         if self.job.mode == "gtopk":
             idx, sums = top_k_abs(idx, sums, int(self.k[lp]))
         return idx, sums, nz
+
+    def _key(self, lp: int, rnd: int) -> int:
+        """The order in which every host sends this DPU's partitions: round-major, then partition."""
+        return rnd * len(self.owned) + lp
+
+    def _lost(self, lp: int, rnd: int, w: int) -> bool:
+        """Evidence that worker ``w``'s data of (lp, rnd) was lost, not late: it delivered later."""
+        return bool(self.delivered[w] > self._key(lp, rnd))
 
     def _saturated(self, lp: int, rnd: int, nsat: int) -> None:
         self.saturated += nsat
@@ -148,6 +160,8 @@ class JobRuntime:
         every packet to every host with one sendmmsg."""
         groups: dict[tuple[int, int], list[int]] = {}
         self.stats["completions"] += len(comps)
+        # every worker delivered these whole
+        np.maximum(self.delivered, max(self._key(lp, rnd) for lp, rnd in comps), out=self.delivered)
         for lp, rnd in comps:
             self._settle(lp, rnd)
             groups.setdefault((rnd, self.backend.scale_exp(lp, rnd)), []).append(lp)
@@ -241,12 +255,13 @@ class JobRuntime:
         if not self.backend.is_complete(lp, rnd):
             missing = self.backend.missing_workers(lp, rnd)
             items = [(p, rnd, worker, missing)]
-            # NACK: others are done, these are not: tell each missing worker at once (a STATUS
-            # naming it makes it resend its data) instead of waiting for its own timer
+            # NACK: others are done, these are not, and they delivered later partitions (the
+            # evidence of a loss): tell each at once (a STATUS naming it makes it resend its data)
+            # instead of waiting for its own timer
             if len(missing) < self.job.workers:
                 now = time.monotonic()
                 for m in missing:
-                    if m != worker and 0 <= m < len(self.host_ip) and \
+                    if m != worker and 0 <= m < len(self.host_ip) and self._lost(lp, rnd, m) and \
                             now - self._nacked.get((lp, rnd, m), -1.0) > NACK_GUARD:
                         self._nacked[(lp, rnd, m)] = now
                         items.append((p, rnd, m, [m]))
@@ -288,18 +303,22 @@ class JobRuntime:
 
 
     def nack_scan(self, ep: UdpEndpoint, now: float) -> int:
-        """NACK where the DPU sees a gap: a worker missing from a (partition, round) that other
-        workers have delivered whole gets a STATUS naming it (it then resends its data), after
-        NACK_PARTIAL_S (some of its packets are in) or NACK_ABSENT_S (none), again every
-        NACK_REPEAT_S while it is missing. Returns the STATUS packets sent."""
-        found = self.backend.incomplete()
+        """NACK where the DPU sees a loss: a worker missing (in part or whole) from a (partition,
+        round) that other workers have delivered whole, and that has delivered a later partition
+        here, gets a STATUS naming it (it then resends its data) once that lasts NACK_GRACE_S, and
+        again every NACK_REPEAT_S while it is missing. Returns the STATUS packets sent."""
+        missing, delivered = self.backend.incomplete()
+        for lp, rnd, w in delivered:
+            k = self._key(lp, rnd)
+            if k > self.delivered[w]:
+                self.delivered[w] = k
         items, stuck = [], {}
-        for lp, rnd, w, partial in found:
+        for lp, rnd, w, _partial in missing:
             key = (lp, rnd, w)
+            if w >= len(self.host_ip) or not self._lost(lp, rnd, w):
+                continue  # late, not lost (as far as this DPU can see): the worker's timer asks
             first = stuck[key] = self._stuck.get(key, now)
-            if w < len(self.host_ip) and \
-                    now - first >= (NACK_PARTIAL_S if partial else NACK_ABSENT_S) and \
-                    now - self._nacked.get(key, -1.0) > (NACK_REPEAT_PARTIAL_S if partial else NACK_REPEAT_S):
+            if now - first >= NACK_GRACE_S and now - self._nacked.get(key, -1.0) > NACK_REPEAT_S:
                 self._nacked[key] = now
                 items.append((int(self.owned[lp]), rnd, w, [w]))
         self._stuck = stuck
@@ -646,19 +665,23 @@ class UserspaceBackend:
     def __init__(self, state: MergeState):
         self.state = state
 
-    def incomplete(self) -> list[tuple[int, int, int, bool]]:
-        """Like XdpBackend.incomplete: (lp, round, worker, partial) of the workers missing from a
-        round of a partition that other workers have delivered whole."""
+    def incomplete(self):
+        """Like XdpBackend.incomplete: ([(lp, round, worker, partial)] of the workers missing from a
+        round of a partition that other workers have delivered whole, [(lp, round, worker)] of those
+        other workers)."""
         st = self.state
         cand = np.argwhere((st.done_workers > 0) & (st.done_workers < st.workers))
-        out = []
+        missing, delivered = [], []
         for lp, par in cand.tolist():
             b = int(st.base_round[lp])
             rnd = b if (b & 1) == par else b + 1
             t, d = st.totals[lp, par], st.delivered[lp, par]
-            for w in np.flatnonzero((t == 0) | (d < t)).tolist():
-                out.append((lp, rnd, w, bool(d[w] > 0)))
-        return out
+            whole = (t > 0) & (d >= t)
+            for w in np.flatnonzero(~whole).tolist():
+                missing.append((lp, rnd, w, bool(d[w] > 0)))
+            for w in np.flatnonzero(whole).tolist():
+                delivered.append((lp, rnd, w))
+        return missing, delivered
 
     def is_next(self, lp, rnd):
         return rnd == int(self.state.base_round[lp]) + 1

@@ -140,39 +140,43 @@ class XdpBackend:
                     _merge.clear_indices(buf, idx, base)
         self.maps.advance(self.job_id, int(self.owned[lp]), rnd, None, job=self.info, clear=clear)
 
-    def incomplete(self) -> list[tuple[int, int, int, bool]]:
-        """(local partition, round, worker, partial) for every worker that has not delivered its
-        whole contribution to an occupant some other workers have delivered whole (the NACK scan,
-        dpu_worker.JobRuntime.nack_scan); partial: some of its packets are in."""
+    def incomplete(self):
+        """([(local partition, round, worker, partial)] for every worker that has not delivered its
+        whole contribution to an occupant some other workers have delivered whole, [(local
+        partition, round, worker)] for those other workers): the NACK scan's view
+        (dpu_worker.JobRuntime.nack_scan); partial: some of its packets are in."""
         j = self.info
         S, W = j.slots, j.workers
         if not S:
-            return []
+            return [], []
         ps = self.maps.pstate[j.pstate_off:j.pstate_off + S]
         done = ps["workers_done"].astype(np.int64)
         cand = np.argwhere((done > 0) & (done < W))
         if not len(cand):
-            return []
+            return [], []
         base = ps["base_gen"].astype(np.int64)
         ws = self.maps.wstate[j.wstate_off:j.wstate_off + S * 2 * W].reshape(S, 2, W)
         cs, cp = cand[:, 0], cand[:, 1]
         rec = ws["received"][cs, cp].astype(np.int64)  # (candidates, W)
         tot = ws["total"][cs, cp].astype(np.int64)
-        ci, cw = np.nonzero((tot == 0) | (rec < tot))
-        if not len(ci):
-            return []
-        partial = (rec[ci, cw] > 0).tolist()
+        whole = (tot > 0) & (rec >= tot)
         occ = {}
-        out = []
-        for i, w, part in zip(ci.tolist(), cw.tolist(), partial):
+
+        def occupant(i: int) -> tuple[int, int]:
             o = occ.get(i)
             if o is None:
                 s, par = int(cs[i]), int(cp[i])
                 g = int(base[s]) if (int(base[s]) & 1) == par else int(base[s]) + 1
                 p, rnd = j.occupant(s, g)
                 o = occ[i] = (p // j.num_dpus, rnd)
-            out.append((o[0], o[1], w, part))
-        return out
+            return o
+
+        ci, cw = np.nonzero(~whole)
+        partial = (rec[ci, cw] > 0).tolist()
+        missing = [(*occupant(i), w, part) for i, w, part in zip(ci.tolist(), cw.tolist(), partial)]
+        di, dw = np.nonzero(whole)
+        delivered = [(*occupant(i), w) for i, w in zip(di.tolist(), dw.tolist())]
+        return missing, delivered
 
     def flush(self) -> None:
         pass
