@@ -89,27 +89,38 @@ def _per_packet(mtu: int) -> tuple[int, int, int]:
             wire.entries_per_packet(PacketType.DENSE_DATA, mtu))
 
 
+def _entry_ranges(indices: np.ndarray, parts: np.ndarray, partition_size: int):
+    """(starts, ends): partition ``parts[j]``'s entries are ``indices[starts[j]:ends[j]]``; raises
+    ValueError when an entry lies in none of ``parts``."""
+    lo = (parts * partition_size).astype(np.uint64)
+    starts = np.searchsorted(indices, lo, side="left").astype(np.int64)
+    ends = np.searchsorted(indices, lo + np.uint64(partition_size), side="left").astype(np.int64)
+    if int((ends - starts).sum()) != len(indices):
+        inside = np.zeros(len(indices), bool)
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            inside[a:b] = True
+        p = int(indices[np.flatnonzero(~inside)[0]]) // partition_size
+        raise ValueError(f"entries fall in partition {p}, which is not among the partitions to packetize")
+    return starts, ends
+
+
 _DENSE_OF = {PacketType.SPARSE_DATA: PacketType.DENSE_DATA, PacketType.SPARSE_RESULT: PacketType.DENSE_RESULT}
 
 
-def _build_sparse(ptype: int, indices: np.ndarray, values: np.ndarray, entry_part: np.ndarray,
-                  parts: np.ndarray, part_lo: np.ndarray, *, job_id: int, worker_id: int, round: int,
-                  scale_exp: int, flags: int, dest_of_part: np.ndarray, mtu: int,
-                  encoding: str) -> PacketBatch:
-    """Core builder. ``entry_part`` (per entry) must be non-decreasing and every value in ``parts``;
-    ``part_lo`` is each listed partition's first index. Each partition is sent in the encoding of
-    fewer bytes (``encoding="auto"``, wire.encoded_bytes) or sparse only (``"sparse"``)."""
+def _build_sparse(ptype: int, indices: np.ndarray, values: np.ndarray, starts: np.ndarray,
+                  ends: np.ndarray, parts: np.ndarray, part_lo: np.ndarray, *, job_id: int,
+                  worker_id: int, round: int, scale_exp: int, flags: int, dest_of_part: np.ndarray,
+                  mtu: int, encoding: str) -> PacketBatch:
+    """Core builder. Partition ``parts[j]``'s entries are ``indices[starts[j]:ends[j]]`` (every entry
+    in exactly one of them); ``part_lo`` is each listed partition's first index. Each partition is
+    sent in the encoding of fewer bytes (``encoding="auto"``, wire.encoded_bytes) or sparse only
+    (``"sparse"``). Headers are written through ``HEADER_DTYPE`` per packet (vectorized), entries by
+    one compiled pass (``_net.write_entries``) with the offsets of dosa.wire."""
     _check_header_args(job_id=job_id, worker_id=worker_id, round=round, scale_exp=scale_exp, flags=flags)
     if encoding not in ("auto", "sparse"):
         raise ValueError(f"encoding must be 'auto' or 'sparse', got {encoding!r}")
     stride, per_s, per_d = _per_packet(mtu)
     n_parts = len(parts)
-    # Entries per listed partition: entries are sorted by partition, so searchsorted gives the runs.
-    starts = np.searchsorted(entry_part, parts, side="left")
-    ends = np.searchsorted(entry_part, parts, side="right")
-    if int((ends - starts).sum()) != len(indices):
-        p = entry_part[~np.isin(entry_part, parts)][0]
-        raise ValueError(f"entries fall in partition {int(p)}, which is not among the partitions to packetize")
     counts = ends - starts
     nonempty = counts > 0
     first = np.where(nonempty, indices[np.minimum(starts, max(len(indices) - 1, 0))].astype(np.int64)
@@ -160,33 +171,16 @@ def _build_sparse(ptype: int, indices: np.ndarray, values: np.ndarray, entry_par
     hdr["base"] = base
     batch.lengths[:] = wire.payload_length(ptypes, cnt)
     batch.dest[:] = dest_of_part[pj]
-
-    k = len(indices)
-    if not k:
-        return batch
-    flat = batch.data.reshape(-1)
-    u16, s32 = flat.view(wire.SPARSE_OFFSET_DTYPE), flat.view(wire.VALUE_DTYPE)
-    entry_dense = np.repeat(dense, counts)
-    if not entry_dense.all():
-        # Sparse partitions: packets are filled in order, so entry e of packet p sits at position
-        # e - first_entry[p]: one repeat of a per-packet shift each for the offset and value blocks.
-        sp = np.flatnonzero(~dpk)
-        first_entry = starts[pj[sp]] + seq[sp] * per_s
-        c = cnt[sp]
-        e = np.flatnonzero(~entry_dense)
-        row0 = sp * stride
-        off_word = np.repeat((row0 + HDR_LEN) // 2 - first_entry, c) + e
-        val_word = np.repeat((row0 + wire.value_offset(c)) // 4 - first_entry, c) + e
-        u16[off_word] = indices[e].astype(np.int64) - np.repeat(base[sp], c)
-        s32[val_word] = values[e]
-    if entry_dense.any():
-        # Dense runs: value of index i goes to packet (i - first) // per_d of its partition, position
-        # (i - first) % per_d; indices of the run that carry no entry stay 0 (they add nothing).
-        e = np.flatnonzero(entry_dense)
-        j = np.repeat(np.arange(n_parts), counts)[e]
-        rel = indices[e].astype(np.int64) - first[j]
-        row = pk_start[:-1][j] + rel // per_d
-        s32[(row * stride + HDR_LEN) // 4 + rel % per_d] = values[e]
+    if len(indices):
+        # where each packet's entries start: sparse, packets are filled in order (per_s a packet);
+        # dense, the first entry at or after the packet's base
+        first_entry = np.where(dpk, np.searchsorted(indices, base.astype(np.uint32)) if dpk.any() else 0,
+                               starts[pj] + seq * per_s)
+        value_at = np.where(dpk, HDR_LEN, wire.value_offset(cnt)).astype(np.int64)
+        if _net.write_entries(batch.data, first_entry.astype(np.int64), cnt.astype(np.int64),
+                              base.astype(np.int64), dpk.astype(np.uint8), value_at,
+                              np.ascontiguousarray(indices), np.ascontiguousarray(values, np.int32)) != 0:
+            raise ValueError("packetizer: an entry does not fit its packet (a bug: sizes are computed above)")
     return batch
 
 
@@ -228,9 +222,9 @@ def packetize(indices, values, pmap: PartitionMap, *, job_id: int, worker_id: in
         bad = int(np.searchsorted(indices, pmap.numel))
         raise ValueError(f"packetize: index {int(indices[bad])} at position {bad} is outside [0, {pmap.numel})")
     parts = _partition_list(pmap, partitions)
-    entry_part = (indices // np.uint32(pmap.partition_size)).astype(np.int64)
+    starts, ends = _entry_ranges(indices, parts, pmap.partition_size)
     dest = np.asarray(pmap.owner(np.arange(pmap.num_partitions)), np.int64)[parts]
-    return _build_sparse(PacketType.SPARSE_DATA, indices, values, entry_part, parts,
+    return _build_sparse(PacketType.SPARSE_DATA, indices, values, starts, ends, parts,
                          parts * pmap.partition_size, job_id=job_id, worker_id=worker_id, round=round,
                          scale_exp=scale_exp, flags=flags, dest_of_part=dest, mtu=mtu, encoding=encoding)
 
@@ -247,8 +241,8 @@ def packetize_results(indices, sums, pmap: PartitionMap, *, job_id: int, round: 
     if len(indices) and int(indices[-1]) >= pmap.numel:
         raise ValueError(f"packetize_results: index {int(indices[-1])} is outside [0, {pmap.numel})")
     parts = _partition_list(pmap, partitions)
-    entry_part = (indices // np.uint32(pmap.partition_size)).astype(np.int64)
-    return _build_sparse(PacketType.SPARSE_RESULT, indices, sums, entry_part, parts,
+    starts, ends = _entry_ranges(indices, parts, pmap.partition_size)
+    return _build_sparse(PacketType.SPARSE_RESULT, indices, sums, starts, ends, parts,
                          parts * pmap.partition_size, job_id=job_id, worker_id=DPU_SENDER_ID,
                          round=round, scale_exp=scale_exp, flags=flags,
                          dest_of_part=np.full(len(parts), dest, np.int64), mtu=mtu, encoding=encoding)
@@ -276,8 +270,8 @@ def packetize_partition_result(indices, sums, *, job_id: int, partition: int, ro
     if not 0 <= partition < wire.MAX_PARTITIONS:
         raise ValueError(f"partition {partition} outside 0..{wire.MAX_PARTITIONS - 1}")
     lo = bounds[0] if bounds is not None else (int(indices[0]) if len(indices) else 0)
-    return _build_sparse(PacketType.SPARSE_RESULT, indices, sums, np.full(len(indices), partition, np.int64),
-                         np.array([partition], np.int64), np.array([lo], np.int64), job_id=job_id,
+    return _build_sparse(PacketType.SPARSE_RESULT, indices, sums, np.array([0], np.int64),
+                         np.array([len(indices)], np.int64), np.array([partition], np.int64), np.array([lo], np.int64), job_id=job_id,
                          worker_id=DPU_SENDER_ID, round=round, scale_exp=scale_exp, flags=flags,
                          dest_of_part=np.array([dest], np.int64), mtu=mtu, encoding=encoding)
 

@@ -87,8 +87,9 @@ class UdpEndpoint:
         self._rx = PacketBatch.empty(recv_slots, wire.stride_for_mtu(wire.MAX_MTU))  # any job's MTU
         self._src_ip = np.zeros(recv_slots, np.uint32)
         self._src_port = np.zeros(recv_slots, np.uint16)
-        self.sent_packets = self.sent_bytes = self.recv_packets = self.recv_bytes = 0
-        self.truncated = 0
+        #: what went through this socket, one int64 slot per name of COUNTERS (host_lib's round
+        #: engine adds to the same array when it sends and receives on this socket itself)
+        self.counters = np.zeros(len(self.COUNTERS), np.int64)
         self.msock = None
         can = batching()
         self.gso_segs = _net.MAX_GSO_SEGMENTS if (can["gso"] if gso is None else gso) else 0
@@ -100,24 +101,32 @@ class UdpEndpoint:
             except OSError as e:
                 log.info("UDP GRO refused on %s:%d (%s): one datagram per recvmmsg slot",
                          *bind, e.strerror or e)
-        self._send_ctr = np.zeros(2, np.int64)
-        self._recv_ctr = np.zeros(2, np.int64)
+        self._send_ctr = self.counters[0:2]  # (system calls, datagrams): _net.send_batch's layout
+        self._recv_ctr = self.counters[4:6]
 
-    @property
-    def send_calls(self) -> int:
-        return int(self._send_ctr[0])
+    #: the slots of ``counters``, in order (host_lib._engine's C_* slots are the same)
+    COUNTERS = ("send_calls", "send_datagrams", "sent_packets", "sent_bytes", "recv_calls",
+                "recv_datagrams", "recv_packets", "recv_bytes", "truncated")
 
-    @property
-    def send_datagrams(self) -> int:
-        return int(self._send_ctr[1])
+    def _counter(i: int, doc: str):  # noqa: N805 - a property factory used in the class body
+        return property(lambda self: int(self.counters[i]), doc=doc)
+
+    send_calls = _counter(0, "sendmmsg system calls")
+    send_datagrams = _counter(1, "datagrams handed to the kernel (a GSO datagram carries many packets)")
+    sent_packets = _counter(2, "dosa packets sent")
+    sent_bytes = _counter(3, "bytes of the dosa packets sent (UDP payload)")
+    recv_packets = _counter(6, "packets received (truncated ones included)")
+    recv_bytes = _counter(7, "bytes received")
+    truncated = _counter(8, "datagrams longer than a receive slot, dropped")
+    del _counter
 
     @property
     def recv_calls(self) -> int:
-        return int(self._recv_ctr[0]) + (self._gro.calls if self._gro is not None else 0)
+        return int(self.counters[4]) + (self._gro.calls if self._gro is not None else 0)
 
     @property
     def recv_datagrams(self) -> int:
-        return int(self._recv_ctr[1]) + (self._gro.datagrams if self._gro is not None else 0)
+        return int(self.counters[5]) + (self._gro.datagrams if self._gro is not None else 0)
 
     @property
     def gro(self) -> bool:
@@ -152,8 +161,8 @@ class UdpEndpoint:
             k = e.sent
             n = k + _net.send_batch(self.fd, batch.data, batch.lengths, rows[k:], ip_be[k:],
                                     port_be[k:], timeout, 0, self._send_ctr)
-        self.sent_packets += n
-        self.sent_bytes += int(batch.lengths[rows[:n]].sum())
+        self.counters[2] += n
+        self.counters[3] += int(batch.lengths[rows[:n]].sum())
         if n < len(rows):
             raise DosaError(f"send buffer stayed full for {timeout} s: {len(rows) - n} packets not sent")
         return n
@@ -189,6 +198,11 @@ class UdpEndpoint:
         self._poll.register(self.fd, select.POLLIN)
         self._poll.register(m.fileno(), select.POLLIN)
 
+    @property
+    def mfd(self) -> int:
+        """The multicast group's socket (``join_group``), or -1."""
+        return self.msock.fileno() if self.msock is not None else -1
+
     def set_multicast_source(self, iface_addr: str | None) -> None:
         """Send multicast out of the interface holding ``iface_addr`` (default: the route's), TTL 1,
         without looping copies back to this machine's own sockets."""
@@ -223,13 +237,13 @@ class UdpEndpoint:
                 n = self._recv_fd(mfd, 0.0) or self._recv_fd(self.fd, 0.0)
         lengths = self._rx.lengths[:n]
         ok = lengths >= 0
-        self.recv_packets += n
+        self.counters[6] += n
         if not ok.all():
-            self.truncated += int((~ok).sum())
+            self.counters[8] += int((~ok).sum())
             keep = np.flatnonzero(ok)
             b = PacketBatch(self._rx.data[keep], lengths[keep], self._rx.dest[keep])
             return b, self._src_ip[keep], self._src_port[keep]
-        self.recv_bytes += int(lengths.sum())
+        self.counters[7] += int(lengths.sum())
         return (PacketBatch(self._rx.data[:n], lengths, self._rx.dest[:n]),
                 self._src_ip[:n], self._src_port[:n])
 

@@ -115,6 +115,8 @@ class AggregationClient:
                 logging.getLogger("dosa.host").warning("%s; results will need retransmission", e)
                 self.multicast_group = None
         self.dpu_table = addr_arrays(job.dpus)
+        self._owner = np.asarray(self.pmap.owner(np.arange(self.pmap.num_partitions)), np.int64)
+        self._engine = None
         self._dpu_ip_of = {int(ip): d for d, ip in enumerate(self.dpu_table[0])}
         self._encoder: RoundEncoder | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -132,6 +134,27 @@ class AggregationClient:
         #: packetize, send, receive (the recv system calls), absorb (header checks, bookkeeping),
         #: retransmit, decode. The benchmark's phase breakdown reads it.
         self.phase_cpu: dict[str, float] = {}
+
+    def _round_engine(self):
+        """The compiled round engine (host_lib/_engine.pyx), made once per client: its buffers
+        (receive, entry arena) are reused by every round."""
+        if self._engine is None:
+            from ._engine import RoundEngine
+
+            P = self.pmap.num_partitions
+            # aggregation slots (docs/dataplane.md, *Slots*): partition p shares its DPU's slot with
+            # p - M*S (M DPUs, S slots there), and may be sent only once that one's result is in: a
+            # slot's next occupant can complete only when every host sent it, so then every host
+            # holds the previous result and the DPU may clear it. gate[p] = that partition, or -1.
+            M = self.pmap.num_dpus
+            step = M * np.array([self.job.slots_on(d) for d in range(M)], np.int64)[self._owner]
+            gate = np.where(np.arange(P) >= step, np.arange(P) - step, -1)
+            self._engine = RoundEngine(P, self.pmap.partition_size, self.job.numel, self._owner,
+                                       gate, self.job.job_id, *self.dpu_table, self.window,
+                                       self.ep.gso_segs, self.ep.counters,
+                                       int(self._rng.integers(1, 2**62)) if self._rng is not None else 0)
+        self._engine.gso_segs = self.ep.gso_segs
+        return self._engine
 
     def _phase(self, name: str, t0: float) -> float:
         """Add this thread's CPU time since ``t0`` to ``phase_cpu[name]``; returns the time now."""

@@ -15,17 +15,18 @@ Loss recovery (docs/dpu_worker.md):
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dosa import _net, wire
+from dosa import wire
 from dosa.errors import DosaError
 from dosa.packetizer import packetize_control, parse_batch
 from dosa.wire import Flags, HEADER_DTYPE, PacketBatch, PacketType
 
-from . import _round
+from . import _engine
 from .membership import StaleJobError
 
 if TYPE_CHECKING:
@@ -37,6 +38,8 @@ STALL_CHECK_S = 0.5
 #: least wait before asking for the missing packets of a partial result (reordering grace)
 GAP_GRACE_S = 0.002
 
+log = logging.getLogger("dosa.host")
+
 
 class MissingWorkersError(DosaError):
     """A round timed out; ``missing`` lists the worker ids the DPU(s) reported as not delivered."""
@@ -47,155 +50,103 @@ class MissingWorkersError(DosaError):
 
 
 class Round:
-    """The state of one allreduce round on one host (vectorized over partitions and packets)."""
+    """The state of one allreduce round on one host: the compiled engine (host_lib/_engine.pyx)
+    runs its send / receive / intake loop; this class runs what is rare (STATUS answers,
+    retransmission timers, failures) on the engine's state arrays."""
 
-    def __init__(self, client: AggregationClient, batch: PacketBatch, scale_exp: int):
+    def __init__(self, client: AggregationClient, batch: PacketBatch, scale_exp: int,
+                 released: int | None = None):
         self.c = client
-        self.batch = batch
         self.scale_exp = scale_exp
         P = client.pmap.num_partitions
         self.P = P
-        hdr = batch.data.view(HEADER_DTYPE)[:, 0]
-        part = hdr["partition"].astype(np.int64)
-        self.pk_start = np.searchsorted(part, np.arange(P + 1))
-        self.owner = np.asarray(client.pmap.owner(np.arange(P)), np.int64)
-        # aggregation slots (docs/dataplane.md, *Slots*): partition p shares its DPU's slot with
-        # p - M*S (M DPUs, S slots there), and may be sent only once that one's result is in: a
-        # slot's next occupant can complete only when every host sent it, so then every host
-        # holds the previous result and the DPU may clear it. gate[p] = that partition, or -1.
-        M = client.pmap.num_dpus
-        step = M * np.array([client.job.slots_on(d) for d in range(M)], np.int64)[self.owner]
-        self.gate = np.where(np.arange(P) >= step, np.arange(P) - step, -1)
-        self.sent = np.zeros(P, bool)
-        self.done = np.zeros(P, bool)
-        self.res_total = np.zeros(P, np.int64)
-        self.res_got = np.zeros(P, np.int64)
-        self.got = np.zeros((P, wire.MAX_PACKETS_PER_CONTRIBUTION), bool)
-        self.last_tx = np.zeros(P)
+        self.owner = client._owner
+        eng = self.eng = client._round_engine()
+        self.batch = batch
+        self._load(batch)
+        eng.begin(client.round, int(scale_exp), P if released is None else released)
+        # the engine's state (shared arrays: it writes them inside its calls, this class reads them
+        # and sets last_tx when it retransmits)
+        self.sent = eng.sent.view(bool)
+        self.done = eng.done.view(bool)
+        self.got = eng.got.view(bool)
+        self.res_total = eng.res_total
+        self.res_got = eng.res_got
+        self.last_tx = eng.last_tx
         self.tries = np.zeros(P, np.int64)
         self.unanswered = np.zeros(P, np.int64)  # RETX_REQUESTs without any answer since last data
-        # accepted result packets, kept raw (copied out of the reused receive buffer) and decoded
-        # once at the end of the round, in (partition, seq) order: no per-batch entry decoding and
-        # no sort of the entries (results are sorted within a partition, partitions are ranges)
-        self.raw: list[np.ndarray] = []
-        self.raw_key: list[np.ndarray] = []
-        self._got_u8 = self.got.view(np.uint8)  # the compiled intake's views of the same state
-        self._done_u8 = self.done.view(np.uint8)
-        self._scratch = np.empty((4, 0), np.int64)  # its output rows (reused across batches)
-        self.next = 0
-        self.released = P  # partitions [0, released) may be sent (a SparseStream releases them in ranges)
         self.missing: dict[int, list[int]] = {}
         self.status_at = np.full(P, -np.inf)  # when the last STATUS of each partition arrived
         self.resent = np.zeros(P, bool)  # data resent or re-requested: no RTT sample (Karn)
         self.last_resend = np.full(P, -np.inf)
+        self._cpu = eng.cpu.copy()
+
+    @property
+    def released(self) -> int:
+        return self.eng.released
+
+    def _load(self, batch: PacketBatch) -> None:
+        """Hand the round's data packets (sorted by partition) to the engine."""
+        part = batch.data.view(HEADER_DTYPE)[:, 0]["partition"].astype(np.int64) if len(batch) \
+            else np.zeros(0, np.int64)
+        self.pk_start = np.searchsorted(part, np.arange(self.P + 1))
+        self.eng.load(batch.data, batch.lengths, batch.dest, self.pk_start)
 
     def run(self) -> tuple[np.ndarray, np.ndarray]:
         c = self.c
-        last_progress = time.monotonic()
         t = time.thread_time()
-        while not self.done.all():
-            self._fill_window()
-            t = c._phase("send", t)
-            b, sip, _ = c.ep.recv(min(c.rtt.rto / 2, GAP_GRACE_S))  # wake for the gap grace's timers
-            t = c._phase("receive", t)
-            if len(b) and self._absorb(b, sip):
-                last_progress = time.monotonic()
-            t = c._phase("absorb", t)
+        while True:
+            flags = self._pump(min(c.rtt.rto / 2, GAP_GRACE_S))  # wake for the gap grace's timers
+            t = time.thread_time()
+            if flags & _engine.DONE:
+                break
             now = time.monotonic()
-            if now - last_progress > STALL_CHECK_S and c.membership is not None:
-                self._check_members(now - last_progress)
-            if now - last_progress > c.timeout:
+            stalled = now - self.eng.last_progress
+            if stalled > STALL_CHECK_S and c.membership is not None:
+                self._check_members(stalled)
+            if stalled > c.timeout:
                 self._fail()
-            self._retransmit(now, last_progress)
+            self._retransmit(now, self.eng.last_progress)
             t = c._phase("retransmit", t)
         c.last_missing = {}
-        out = self._decode()
+        out = self.eng.result()
         c._phase("decode", t)
         return out
 
-    def _decode(self) -> tuple[np.ndarray, np.ndarray]:
-        """The round's result entries, from the raw packets kept by _absorb, sorted by index."""
-        if not self.raw:
-            return np.zeros(0, np.uint32), np.zeros(0, np.int32)
-        data = np.concatenate(self.raw) if len(self.raw) > 1 else self.raw[0]
-        order = np.argsort(np.concatenate(self.raw_key), kind="stable")
-        hdr = data.view(HEADER_DTYPE)[:, 0][order]
-        count = hdr["count"].astype(np.int64)
-        m = int(count.sum())
-        # where the blocks of each packet start comes from dosa.wire (PAYLOAD_BLOCKS): sparse u16
-        # offsets right after the header and the s32 values at value_offset; dense values after it
-        dense = hdr["type"] == PacketType.DENSE_RESULT
-        offset_at = np.where(dense, -1, wire.HDR_LEN).astype(np.int64)
-        value_at = np.where(dense, wire.HDR_LEN, wire.value_offset(count)).astype(np.int64)
-        idx, val = np.empty(m, np.uint32), np.empty(m, np.int32)
-        # a dense run carries the zero sums of its span too: they are no entries (not written)
-        m = _net.decode_entries(data, order.astype(np.int64), count, hdr["base"].astype(np.int64),
-                                offset_at, value_at, idx, val, True)
-        if m < 0:
-            raise DosaError("result packets with more entries than their slots (a bug: headers "
-                            "are validated before)")
-        idx, val = idx[:m], val[:m]
-        if m > 1 and not bool((idx[1:] > idx[:-1]).all()):  # not expected from a DPU: sort anyway
-            o = np.argsort(idx, kind="stable")
-            idx, val = idx[o], val[o]
-        return idx, val
+    def _pump(self, timeout: float, **kw) -> int:
+        """One engine call (send what the window allows, take what arrives, wait up to
+        ``timeout``), then what it leaves to Python: STATUS answers, RTT samples, the phases' CPU."""
+        c, eng = self.c, self.eng
+        flags = eng.pump(c.ep.fd, c.ep.mfd, timeout, **kw)
+        cpu = eng.cpu.copy()
+        d = cpu - self._cpu
+        self._cpu = cpu
+        for name, dt in zip(("send", "receive", "absorb"), d.tolist()):
+            c.phase_cpu[name] = c.phase_cpu.get(name, 0.0) + dt
+        self._note_gso(flags)
+        if flags & _engine.SIDE:
+            n = eng.n_side
+            self._statuses(parse_batch(PacketBatch(eng.side_data[:n], eng.side_len[:n],
+                                                   np.zeros(n, np.int64)), on_error="drop"))
+        if flags & _engine.COMPLETED:
+            # RTT samples (Karn): partitions done without any ask, resend or STATUS of ours: their
+            # time includes no recovery, ours or (as far as we saw) another host's; one per call,
+            # the quickest, so other hosts' lateness inflates the timer as little as it can
+            p = eng.completed[:eng.n_completed]
+            fresh = p[(self.tries[p] == 0) & ~self.resent[p] & ~np.isfinite(self.status_at[p])]
+            if len(fresh):
+                c.rtt.sample(float((eng.done_at[fresh] - self.last_tx[fresh]).min()))
+        return flags
 
-    def _fill_window(self) -> None:
-        inflight = int((self.sent & ~self.done).sum())
-        room = self.c.window - inflight
-        if room <= 0 or self.next >= self.released:
-            return
-        hi = min(self.released, self.next + room)
-        g = self.gate[self.next:hi]
-        busy = np.flatnonzero((g >= 0) & ~self.done[np.maximum(g, 0)])
-        if len(busy):  # in order: stop at the first partition whose slot is still held
-            hi = self.next + int(busy[0])
-            if hi == self.next:
-                return
-        rows = np.arange(self.pk_start[self.next], self.pk_start[hi])
-        self._send(rows)
-        self.sent[self.next:hi] = True
-        self.last_tx[self.next:hi] = time.monotonic()
-        self.next = hi
+    def _note_gso(self, flags: int) -> None:
+        if flags & _engine.GSO_OFF:
+            log.warning("UDP GSO refused on this path: one datagram per packet from now on")
+            self.c.ep.gso_segs = 0
 
     def _send(self, rows: np.ndarray) -> None:
         if self.c._rng is not None:
             rows = self.c._rng.permutation(rows)
         self.c.ep.send_to_table(self.batch, self.c.dpu_table, rows)
-
-    def _absorb(self, b: PacketBatch, sip) -> bool:
-        """Take the new result packets of this round out of a received batch; True on progress.
-
-        One compiled pass over the headers (host_lib/_round.pyx: the header rules are the XDP
-        program's generated check): only this round's result packets are validated and kept (raw,
-        copied out of the reused receive buffer), STATUS packets are parsed; anything else is
-        ignored."""
-        n = len(b)
-        if not n:
-            return False
-        sc = self._scratch
-        if sc.shape[1] < n:
-            sc = self._scratch = np.empty((4, max(n, 2 * sc.shape[1])), np.int64)
-        nn, ns, nc = _round.absorb(b.data, b.lengths, n, self.c.job.job_id, self.c.round, self.P,
-                                   self.scale_exp, self._got_u8, self._done_u8, self.res_total,
-                                   self.res_got, sc[0], sc[1], sc[2], sc[3])
-        if ns:
-            st = sc[2, :ns]
-            self._statuses(parse_batch(PacketBatch(b.data[st], b.lengths[st], b.dest[st]), on_error="drop"))
-        if not nn:
-            return False
-        res = sc[0, :nn]
-        self.raw.append(b.data[res])
-        self.raw_key.append(sc[1, :nn].copy())
-        if nc:
-            # RTT samples (Karn): partitions done without any ask, resend or STATUS of ours: their
-            # time includes no recovery, ours or (as far as we saw) another host's; one per batch,
-            # the quickest, so other hosts' lateness inflates the timer as little as it can
-            p = sc[3, :nc]
-            fresh = p[(self.tries[p] == 0) & ~self.resent[p] & ~np.isfinite(self.status_at[p])]
-            if len(fresh):
-                self.c.rtt.sample(time.monotonic() - float(self.last_tx[fresh].max()))
-        return True
 
     def _statuses(self, parsed) -> None:
         """STATUS answers: remember who the DPU waits for; resend our data where it names us."""

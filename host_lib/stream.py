@@ -29,8 +29,9 @@ import numpy as np
 
 from dosa.errors import DosaError
 from dosa.packetizer import packetize
-from dosa.wire import HEADER_DTYPE, MAX_PACKETS_PER_CONTRIBUTION, PacketBatch
+from dosa.wire import PacketBatch
 
+from . import _engine
 from .round import STALL_CHECK_S, Round
 
 
@@ -38,11 +39,9 @@ class SparseStream(Round):
     """A round fed in ascending partition ranges (see the module docstring)."""
 
     def __init__(self, client, scale_exp: int):
-        super().__init__(client, PacketBatch.empty(0), int(scale_exp))
-        self.released = 0
+        super().__init__(client, PacketBatch.empty(0), int(scale_exp), released=0)
         self._lock = threading.Lock()
         self._waiters: list[tuple[int, int, concurrent.futures.Future]] = []
-        self._progress = time.monotonic()
         self._error: BaseException | None = None
         # Not a daemon: DDP's callbacks run in this thread (it completes the buckets' futures), and
         # a daemon thread still inside libtorch when the interpreter exits aborts the process
@@ -56,17 +55,18 @@ class SparseStream(Round):
     def send(self, indices, values, upto: int) -> None:
         """Hand over partitions ``[released, upto)`` with this host's entries in them (sorted
         unique u32 indices inside those partitions; int32 values)."""
-        if not self.released <= upto <= self.P:
-            raise DosaError(f"stream: partitions must be handed over in order; {self.released} "
+        released = self.eng.released
+        if not released <= upto <= self.P:
+            raise DosaError(f"stream: partitions must be handed over in order; {released} "
                             f"are out, asked up to {upto} of {self.P}")
-        if upto == self.released:
+        if upto == released:
             if len(indices):
                 raise DosaError("stream: entries given for partitions already sent")
             return
         try:
             b = packetize(indices, values, self.c.pmap, job_id=self.c.job.job_id,
                           worker_id=self.c.worker_id, round=self.c.round, scale_exp=self.scale_exp,
-                          partitions=np.arange(self.released, upto), mtu=self.c.job.mtu)
+                          partitions=np.arange(released, upto), mtu=self.c.job.mtu)
         except ValueError as e:
             raise DosaError(f"cannot packetize round {self.c.round}: {e}") from None
         with self._lock:
@@ -75,11 +75,9 @@ class SparseStream(Round):
             self.batch = b if not len(self.batch) else PacketBatch(
                 np.concatenate([self.batch.data, b.data]), np.concatenate([self.batch.lengths, b.lengths]),
                 np.concatenate([self.batch.dest, b.dest]))
-            part = self.batch.data.view(HEADER_DTYPE)[:, 0]["partition"].astype(np.int64)
-            self.pk_start = np.searchsorted(part, np.arange(self.P + 1))
-            self.released = upto
-            self._progress = time.monotonic()
-            self._fill_window()
+            self._load(self.batch)
+            self.eng.release(upto)
+            self._note_gso(self.eng.fill(self.c.ep.fd))
 
     def wait_for(self, lo: int, hi: int) -> concurrent.futures.Future:
         """Future of ``(indices u32, sums int32)`` of partitions ``[lo, hi)``, ascending."""
@@ -100,24 +98,27 @@ class SparseStream(Round):
 
     # ------------------------------------------------------------------ background thread
     def _loop(self) -> None:
-        c = self.c
+        c, eng = self.c, self.eng
         try:
             while True:
                 with self._lock:
-                    if self.released == self.P and self.done.all():
+                    if eng.released == self.P and eng.complete:
                         break
-                    self._fill_window()
-                b, sip, _ = c.ep.recv(min(c.rtt.rto / 2, 0.005))
-                with self._lock:
-                    if len(b) and self._absorb(b, sip):
-                        self._progress = time.monotonic()
+                    # one non-blocking pass (send, take what arrived) under the lock, so send()
+                    # never meets the engine mid-call; the waiting happens outside it
+                    flags = self._pump(0.0)
+                    if flags & _engine.COMPLETED:
                         self._complete_waiters()
                     now = time.monotonic()
-                    if now - self._progress > STALL_CHECK_S and c.membership is not None:
-                        self._check_members(now - self._progress)  # a dead member: say so now
-                    if now - self._progress > c.timeout:
+                    stalled = now - eng.last_progress
+                    if stalled > STALL_CHECK_S and c.membership is not None:
+                        self._check_members(stalled)  # a dead member: say so now
+                    if stalled > c.timeout:
                         self._fail()
-                    self._retransmit(now, self._progress)
+                    self._retransmit(now, eng.last_progress)
+                    if eng.released == self.P and eng.complete:
+                        break
+                eng.wait(c.ep.fd, c.ep.mfd, min(c.rtt.rto / 2, 0.005))
             c.last_missing = {}
             c.round += 1
         except BaseException as e:  # noqa: BLE001 - handed to every waiter, re-raised by finish()
@@ -129,17 +130,5 @@ class SparseStream(Round):
 
     def _complete_waiters(self) -> None:
         for lo, hi, fut in self._waiters:
-            if not fut.done() and hi <= self.released and self.done[lo:hi].all():
-                fut.set_result(self._decode_range(lo, hi))
-
-    def _decode_range(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """Round._decode restricted to the result packets of partitions [lo, hi)."""
-        kept = (self.raw, self.raw_key)
-        klo, khi = lo * MAX_PACKETS_PER_CONTRIBUTION, hi * MAX_PACKETS_PER_CONTRIBUTION
-        sel = [(r[m], k[m]) for r, k in zip(*kept) for m in [(k >= klo) & (k < khi)] if m.any()]
-        try:
-            self.raw = [s[0] for s in sel]
-            self.raw_key = [s[1] for s in sel]
-            return self._decode()
-        finally:
-            self.raw, self.raw_key = kept
+            if not fut.done() and hi <= self.eng.released and self.done[lo:hi].all():
+                fut.set_result(self.eng.result(lo, hi))
