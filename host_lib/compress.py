@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from host_lib._select import add_select_abs_ge, select_abs_ge
+from host_lib._select import add_select_abs_ge, sample_runs, select_abs_ge
 from host_lib.quantize import check_finite
 
 METHODS = ("exact", "fast")
@@ -125,11 +125,8 @@ def topk_fast(a: np.ndarray, k: int, *, rng: np.random.Generator | None = None, 
     # Runs this short keep the count's spread close to an i.i.d. sample (measured +-6% at k/n=0.001).
     usable = n - n % SAMPLE_RUN
     rows = rng.integers(0, usable // SAMPLE_RUN, max(1, m // SAMPLE_RUN))
-    sample = a[:usable].reshape(-1, SAMPLE_RUN)[rows]
-    if residual_out is not None:
-        sample += residual_out[:usable].reshape(-1, SAMPLE_RUN)[rows]
-    sample = sample.reshape(-1)
-    sample = np.abs(sample)
+    sample = np.empty(len(rows) * SAMPLE_RUN, np.float32)
+    sample_runs(a, residual_out, rows, SAMPLE_RUN, sample)  # |a (+ r)| of each run
     if not np.isfinite(sample).all():
         sample = np.where(np.isfinite(sample), sample, 0)  # the pass below reports them properly
     frac = k / n
