@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 STALL_CHECK_S = 0.5
 #: least wait before asking for the missing packets of a partial result (reordering grace)
 GAP_GRACE_S = 0.002
+#: a round's loop sleeps in the engine until its next timer, within these bounds (seconds)
+MIN_SLEEP_S = 0.0002
+MAX_SLEEP_S = 0.05
 
 log = logging.getLogger("dosa.host")
 
@@ -95,8 +98,11 @@ class Round:
     def run(self) -> tuple[np.ndarray, np.ndarray]:
         c = self.c
         t = time.thread_time()
+        wake = time.monotonic() + GAP_GRACE_S
         while True:
-            flags = self._pump(min(c.rtt.rto / 2, GAP_GRACE_S))  # wake for the gap grace's timers
+            # until the next timer can fire (the engine sends and takes results meanwhile), at most
+            # MAX_SLEEP_S: the stall and failure checks below run at least that often
+            flags = self._pump(min(max(wake - time.monotonic(), MIN_SLEEP_S), MAX_SLEEP_S))
             t = time.thread_time()
             if flags & _engine.DONE:
                 break
@@ -106,7 +112,7 @@ class Round:
                 self._check_members(stalled)
             if stalled > c.timeout:
                 self._fail()
-            self._retransmit(now, self.eng.last_progress)
+            wake = self._retransmit(now, self.eng.last_progress)
             t = c._phase("retransmit", t)
         c.last_missing = {}
         out = self.eng.result()
@@ -166,7 +172,7 @@ class Round:
             self._resend_data(parts)
             self.c.retransmit_causes["resend_nack"] += len(parts)
 
-    def _retransmit(self, now: float, last_progress: float) -> None:
+    def _retransmit(self, now: float, last_progress: float) -> float:
         """Re-request what is overdue. A partition's timer runs from its last send or from the
         round's last progress, whichever is later: while results keep arriving the DPU is busy, not
         lossy, and resending would only add load (a 25M-entry round takes seconds).
@@ -175,14 +181,17 @@ class Round:
         (complete round) or a STATUS naming the workers it waits for; our data packets are resent
         only when that STATUS names us (see _absorb), or when two asks got no answer at all (the
         DPU worker may be restarting; the dataplane still merges). Some result packets: ask for
-        the missing seqs."""
+        the missing seqs.
+
+        Returns the earliest time a timer can fire next, so the caller sleeps until then (in the
+        engine, which takes results meanwhile) instead of waking every few ms: progress and sends
+        only move timers later."""
         c = self.c
         rto = c.rtt.rto
         if now - last_progress <= min(GAP_GRACE_S, rto):
             # nothing can be due: a partition's timer runs from max(its last send, the round's
-            # last progress) and waits at least the gap grace or the RTO. Checked first because
-            # this runs after every received batch (it was ~10% of a host's round CPU)
-            return
+            # last progress) and waits at least the gap grace or the RTO
+            return last_progress + min(GAP_GRACE_S, rto)
         backoff = 2.0 ** np.minimum(self.tries, 1)
         since = now - np.maximum(self.last_tx, last_progress)
         # a visible gap (some of the partition's result packets are in, not all; they come back
@@ -200,9 +209,16 @@ class Round:
             later_done[own[-1]] = len(own) > 1 and self.done[own[:-1]].all()
         gap = (self.res_got > 0) | later_done
         wait = np.where(gap, GAP_GRACE_S * 2.0 ** np.minimum(self.tries, 4), rto * backoff)
-        due = np.flatnonzero(self.sent & ~self.done & (since > wait))
+        pending = self.sent & ~self.done
+        late = since > wait
+        due = np.flatnonzero(pending & late)
+        waiting = pending & ~late
+        # the next timer: a pending partition not due now fires at its own time; one asked for
+        # now waits at least the gap grace again
+        nxt = float((now - since[waiting] + wait[waiting]).min()) if waiting.any() else np.inf
         if not len(due):
-            return
+            return nxt
+        nxt = min(nxt, now + GAP_GRACE_S)
         nores = due[self.res_got[due] == 0]
         partial = due[self.res_got[due] > 0]
         resend = nores[self.unanswered[nores] >= 2]
@@ -225,6 +241,7 @@ class Round:
             c.retransmit_causes["ask_packets"] += len(reqs)
         self.last_tx[due] = now
         self.tries[due] += 1
+        return nxt
 
     def _resend_data(self, parts: np.ndarray) -> None:
         """Resend this host's data packets of ``parts`` (RETRANSMIT flag; the DPU never adds a

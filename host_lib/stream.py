@@ -32,7 +32,7 @@ from dosa.packetizer import packetize
 from dosa.wire import PacketBatch
 
 from . import _engine
-from .round import STALL_CHECK_S, Round
+from .round import MAX_SLEEP_S, MIN_SLEEP_S, STALL_CHECK_S, Round
 
 
 class SparseStream(Round):
@@ -115,10 +115,12 @@ class SparseStream(Round):
                         self._check_members(stalled)  # a dead member: say so now
                     if stalled > c.timeout:
                         self._fail()
-                    self._retransmit(now, eng.last_progress)
+                    wake = self._retransmit(now, eng.last_progress)
                     if eng.released == self.P and eng.complete:
                         break
-                eng.wait(c.ep.fd, c.ep.mfd, min(c.rtt.rto / 2, 0.005))
+                # until the next timer, or a packet (the training thread's sends go out from its
+                # own call: nothing here needs to wake for them)
+                eng.wait(c.ep.fd, c.ep.mfd, min(max(wake - time.monotonic(), MIN_SLEEP_S), MAX_SLEEP_S))
             c.last_missing = {}
             c.round += 1
         except BaseException as e:  # noqa: BLE001 - handed to every waiter, re-raised by finish()
