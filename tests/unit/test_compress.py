@@ -54,6 +54,38 @@ def test_kernel_matches_numpy(a, t, cap):
     assert c2 == np.count_nonzero(np.abs(s) >= t)
 
 
+@pytest.mark.parametrize("path", ["best", "generic"])  # AVX-512 where the CPU has it; DOSA_NO_AVX512
+def test_both_kernel_paths_select_exactly_what_numpy_does(path, monkeypatch):
+    if path == "generic":
+        monkeypatch.setenv("DOSA_NO_AVX512", "1")
+    else:
+        monkeypatch.delenv("DOSA_NO_AVX512", raising=False)
+    rng = np.random.default_rng(11)
+    for n in (0, 15, 16, 17, 1000, 4099, 100_003):
+        a = realistic_gradient(rng, n) if n else np.zeros(0, np.float32)
+        bad_at = rng.choice(n, min(n, 3), replace=False) if n > 50 else np.zeros(0, np.int64)
+        a[bad_at] = np.array([np.nan, np.inf, -np.inf], np.float32)[:len(bad_at)]
+        finite = np.isfinite(a)
+        for q in (0.0, 0.5, 0.99, 1.0):
+            t = np.float32(np.quantile(np.abs(a[finite]), q)) if finite.any() else np.float32(1)
+            ref = np.flatnonzero(finite & (np.abs(a) >= t))
+            for cap in (0, 7, len(ref) // 2, len(ref) + 16, n + 32):
+                idx, val = np.empty(cap, np.uint32), np.empty(cap, np.float32)
+                c, bad, first = select_abs_ge(a, float(t), idx, val)
+                assert c == len(ref) and bad == len(bad_at)
+                assert first == (int(np.flatnonzero(~finite)[0]) if len(bad_at) else -1)
+                w = min(c, cap)
+                assert np.array_equal(idx[:w], ref[:w]) and np.array_equal(val[:w], a[ref[:w]])
+                g = rng.standard_normal(n).astype(np.float32)
+                r = np.where(finite, a, 0).astype(np.float32)
+                r0 = r.copy()
+                c2, bad2, _ = add_select_abs_ge(r, g, float(t), idx, val)
+                s = (r0 + g).astype(np.float32)
+                assert np.array_equal(r, s) and c2 == np.count_nonzero(np.abs(s) >= t) and bad2 == 0
+                w = min(c2, cap)
+                assert np.array_equal(idx[:w], np.flatnonzero(np.abs(s) >= t)[:w])
+
+
 def test_kernel_reports_nonfinite_and_keeps_residual_finite():
     a = np.ones(100, np.float32)
     a[[17, 40, 41]] = [np.nan, np.inf, -np.inf]
