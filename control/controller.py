@@ -31,7 +31,7 @@ from dosa import wire
 from dosa.errors import DosaError
 from dosa.job import DEFAULT_SCALE_EXP, DEFAULT_SLOTS, MAX_SLOTS
 
-from .alloc import AdmissionError, SlotDemand, admit
+from .alloc import AdmissionError, SlotDemand, admit_job, touched_list_cap
 from .netns import run_in_netns
 
 STATE_DIR = "/run/dosa"
@@ -185,8 +185,10 @@ class Controller:
         """Install a job: allocate its regions, clear them, write the job entry (last, so XDP never
         sees a job whose memory is not ready). ``slots``: its aggregation slots here (at most the
         partitions it owns here); they, not numel, set its memory (docs/dataplane.md, *Slots*).
-        Errors: DosaError for bad values or an existing job, AdmissionError when a pool or table
-        is full (``permanent`` when it could never fit this dataplane)."""
+        Each buffer gets a touched list (``control.alloc.touched_list_cap``) unless the window fits
+        the pool only without them (``control.alloc.admit_job``). Errors: DosaError for bad values
+        or an existing job, AdmissionError when a pool or table is full (``permanent`` when it
+        could never fit this dataplane)."""
         if not 1 <= job_id <= 2**32 - 1:
             raise DosaError(f"job id {job_id} must lie in 1..2^32-1")
         if not 1 <= workers <= wire.MAX_WORKERS:
@@ -216,15 +218,17 @@ class Controller:
             cap = maps.capacity
             if len(existing) >= cap["jobs"]:
                 raise AdmissionError(f"the dataplane already holds its maximum of {cap['jobs']} jobs")
-            demand = SlotDemand(job_id, min(slots, owned), min(partition_size, numel), workers)
-            off = admit(demand, {"pool": [(j.pool_off, j.pool_len, j.job_id) for j in existing],
-                                 "pstate": [(j.pstate_off, j.pstate_len, j.job_id) for j in existing],
-                                 "wstate": [(j.wstate_off, j.wstate_len, j.job_id) for j in existing]}, cap)
+            stride = min(partition_size, numel)
+            demand = SlotDemand(job_id, min(slots, owned), stride, workers, touched_list_cap(stride))
+            used = {"pool": [(j.pool_off, j.pool_len, j.job_id) for j in existing],
+                    "pstate": [(j.pstate_off, j.pstate_len, j.job_id) for j in existing],
+                    "wstate": [(j.wstate_off, j.wstate_len, j.job_id) for j in existing]}
+            demand, off = admit_job(demand, used, cap)  # without touched lists if only so it fits
             job = JobInfo(job_id=job_id, workers=workers, partition_size=partition_size, numel=numel,
                           num_partitions=pm.num_partitions, dpu_index=dpu_index, num_dpus=num_dpus,
                           num_owned=owned, mode=MODES[mode], pool_off=off["pool"], pstate_off=off["pstate"],
                           wstate_off=off["wstate"], scale_exp=scale_exp, port=port, stride=demand.stride,
-                          slots=demand.slots)
+                          slots=demand.slots, list_cap=demand.list_cap)
             maps.clear_job_state(job)
             maps.add_port(port)
             maps.put_job(job)

@@ -47,10 +47,13 @@ struct dosa_job {
 	__u32 wstate_off;     /* first entry of its slots * 2 * workers worker states */
 	__s32 scale_exp;      /* initial scale exponent (round 0) */
 	__u32 port;           /* UDP port of the job */
-	__u32 stride;         /* s64 entries per buffer: min(partition_size, numel) (a one-partition
+	__u32 stride;         /* s64 sums per buffer: min(partition_size, numel) (a one-partition
 			       * job smaller than partition_size does not waste the pool) */
 	__u32 slots;          /* aggregation slots (1..num_owned): owned partition j aggregates in
-			       * slot j % slots; its memory is slots * 2 * stride pool entries */
+			       * slot j % slots; its memory is slots * 2 * pitch pool entries */
+	__u32 list_cap;       /* u16 offsets in each buffer's touched list, a multiple of 4 (0: no
+			       * lists). A buffer is pitch = stride + list_cap / 4 pool entries: its
+			       * stride sums, then the list packed 4 offsets per s64 entry */
 };
 
 /* workers: hash (job, worker) -> the only source allowed to send as that worker. */
@@ -74,6 +77,8 @@ struct dosa_pstate {
 	/* 64-bit because BCC's BPF target only has fetching atomics (fetch_add, cmpxchg) on 64 bits */
 	__u64 workers_done[2]; /* per parity (g & 1): workers whose contribution is complete */
 	__u64 scale_tag[2];    /* per parity: scale_exp + DOSA_SCALE_TAG_BIAS of the round, 0 = unset */
+	__u64 touched[2];      /* per parity: entries of the buffer that went from 0 to non-zero (its
+				* touched list's length; past list_cap the list is incomplete) */
 };
 
 /* wstate: mmapable array; index wstate_off + (slot * 2 + parity) * workers + worker_id. */

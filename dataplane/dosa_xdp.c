@@ -68,8 +68,10 @@ struct merge_ctx {
 	struct dosa_wstate *ws;
 	u64 lo, hi;   /* the partition's index range */
 	u64 buf0;     /* pool entry of index lo in the occupant's buffer */
+	u64 list0;    /* pool entry holding the buffer's touched-list positions 0..3 */
 	u64 gen;      /* the packet's occupant of its slot (dosa_state.h, struct dosa_pstate) */
 	u32 p, round, parity, workers;
+	u32 list_cap; /* touched-list capacity (0: the job keeps no lists) */
 };
 
 /* Partition, ownership, slot, occupant window and state of a data packet. Owned partition j
@@ -124,11 +126,48 @@ static __always_inline int locate(struct dosa_hdr *h, struct dosa_job *job, stru
 	if (!mc->ws)
 		return DOSA_C_INTERNAL;
 
+	/* a buffer: stride sums, then list_cap u16 offsets packed 4 per s64 entry */
 	u64 stride = job->stride;
-	mc->buf0 = (u64)job->pool_off + ((u64)slot * 2 + mc->parity) * stride;
-	if (mc->hi - mc->lo > stride || mc->buf0 + stride > DOSA_POOL_SLOTS)
+	u64 cap = job->list_cap;
+	u64 pitch = stride + cap / 4;
+	mc->buf0 = (u64)job->pool_off + ((u64)slot * 2 + mc->parity) * pitch;
+	mc->list0 = mc->buf0 + stride;
+	mc->list_cap = cap;
+	if (mc->hi - mc->lo > stride || mc->buf0 + pitch > DOSA_POOL_SLOTS)
+		return DOSA_C_INTERNAL;
+	if (cap & 3 || (cap && stride > 65536)) /* u16 offsets; whole s64 entries */
 		return DOSA_C_INTERNAL;
 	return -1;
+}
+
+/* Entry `off` of the partition (index - lo) went from 0 to non-zero: append it to its buffer's
+ * touched list, so the DPU worker reads the listed sums instead of scanning the whole buffer. The
+ * count is claimed first and keeps growing past list_cap: a count above the capacity tells the
+ * worker the list is incomplete (it scans the buffer then). An entry whose sum cancels to zero and
+ * is touched again is listed twice; the reader tolerates duplicates. */
+static __always_inline void touch(struct merge_ctx *mc, u64 off)
+{
+	u64 pos = __sync_fetch_and_add(&mc->ps->touched[mc->parity & 1], 1);
+
+	if (pos >= mc->list_cap)
+		return;
+	u32 el = (u32)(mc->list0 + pos / 4);
+	s64 *e = pool.lookup(&el);
+	if (e)
+		((u16 *)e)[pos & 3] = (u16)off;
+}
+
+/* Add one s32 value into pool entry `slot` of the packet's buffer; list the entry when it was 0.
+ * A value of 0 adds nothing and lists nothing. */
+static __always_inline void add_value(struct merge_ctx *mc, u32 slot, __be32 raw)
+{
+	s64 val = (s32)dosa_ntohl(raw);
+
+	if (val == 0)
+		return;
+	s64 *v = pool.lookup(&slot);
+	if (v && __sync_fetch_and_add(v, val) == 0 && mc->list_cap)
+		touch(mc, slot - mc->buf0);
 }
 
 /* After every check that can reject the packet has passed: agree on the worker's total and the
@@ -195,7 +234,9 @@ static __always_inline int rejected(int reason)
 
 /* SPARSE_DATA (v2): count u16 offsets (index = base + offset), padded to 4 bytes, then count s32
  * values. Pass 1 checks every index (bounded loop), pass 2 adds each value atomically. The loops
- * run to DOSA_RX_MAX_SPARSE_ENTRIES, the most a packet of the largest MTU carries. */
+ * run to DOSA_RX_MAX_SPARSE_ENTRIES, the most a packet of the largest MTU carries. Pass 1 is
+ * skipped where it cannot fail: base == lo of a full 65536-entry partition, where every u16 offset
+ * lands inside (the offsets lie inside the packet: dosa_check_header checked its length). */
 static __always_inline int merge_sparse(struct dosa_hdr *h, void *data_end, u32 job_id,
 					struct dosa_job *job)
 {
@@ -212,14 +253,16 @@ static __always_inline int merge_sparse(struct dosa_hdr *h, void *data_end, u32 
 	__be32 *vals = (void *)h + DOSA_VALUE_OFFSET(cnt);
 	/* The loops compare i with a fresh read of count: comparing with cnt would teach the verifier
 	 * a different range of cnt at each of the loop's exits and make it walk pass 2 once per exit. */
-	for (int i = 0; i < DOSA_RX_MAX_SPARSE_ENTRIES; i++) {
-		if (i >= dosa_ntohs(*(volatile __be16 *)&h->count))
-			break;
-		if ((void *)(&offs[i] + 1) > data_end)
-			return DROP(SHORT_PACKET);
-		u64 idx = base + dosa_ntohs(offs[i]);
-		if (idx < mc.lo || idx >= mc.hi)
-			return DROP(INDEX_OUT_OF_PARTITION);
+	if (base != mc.lo || mc.hi - mc.lo != 65536) {
+		for (int i = 0; i < DOSA_RX_MAX_SPARSE_ENTRIES; i++) {
+			if (i >= dosa_ntohs(*(volatile __be16 *)&h->count))
+				break;
+			if ((void *)(&offs[i] + 1) > data_end)
+				return DROP(SHORT_PACKET);
+			u64 idx = base + dosa_ntohs(offs[i]);
+			if (idx < mc.lo || idx >= mc.hi)
+				return DROP(INDEX_OUT_OF_PARTITION);
+		}
 	}
 	bad = claim(h, &mc);
 	if (bad >= 0)
@@ -230,10 +273,7 @@ static __always_inline int merge_sparse(struct dosa_hdr *h, void *data_end, u32 
 			break;
 		if ((void *)(&offs[i] + 1) > data_end || (void *)(&vals[i] + 1) > data_end)
 			break; /* cannot happen: the length was checked against count */
-		u32 slot = (u32)(first + dosa_ntohs(offs[i]));
-		s64 *v = pool.lookup(&slot);
-		if (v)
-			__sync_fetch_and_add(v, (s64)(s32)dosa_ntohl(vals[i]));
+		add_value(&mc, (u32)(first + dosa_ntohs(offs[i])), vals[i]);
 	}
 	return finish(h, job_id, &mc, cnt);
 }
@@ -263,10 +303,7 @@ static __always_inline int merge_dense(struct dosa_hdr *h, void *data_end, u32 j
 			break;
 		if ((void *)(&vals[i] + 1) > data_end)
 			break; /* cannot happen: the length was checked against count */
-		u32 slot = (u32)(first + i);
-		s64 *v = pool.lookup(&slot);
-		if (v)
-			__sync_fetch_and_add(v, (s64)(s32)dosa_ntohl(vals[i]));
+		add_value(&mc, (u32)(first + i), vals[i]);
 	}
 	return finish(h, job_id, &mc, cnt);
 }

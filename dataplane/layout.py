@@ -23,7 +23,8 @@ class Job(ctypes.Structure):
                 ("num_owned", ctypes.c_uint32), ("mode", ctypes.c_uint32),
                 ("pool_off", ctypes.c_uint32), ("pstate_off", ctypes.c_uint32),
                 ("wstate_off", ctypes.c_uint32), ("scale_exp", ctypes.c_int32),
-                ("port", ctypes.c_uint32), ("stride", ctypes.c_uint32), ("slots", ctypes.c_uint32)]
+                ("port", ctypes.c_uint32), ("stride", ctypes.c_uint32), ("slots", ctypes.c_uint32),
+                ("list_cap", ctypes.c_uint32)]
 
 
 class FlowKey(ctypes.Structure):
@@ -37,7 +38,8 @@ class Flow(ctypes.Structure):
 
 class PState(ctypes.Structure):
     _fields_ = [("base_gen", ctypes.c_uint64),
-                ("workers_done", ctypes.c_uint64 * 2), ("scale_tag", ctypes.c_uint64 * 2)]
+                ("workers_done", ctypes.c_uint64 * 2), ("scale_tag", ctypes.c_uint64 * 2),
+                ("touched", ctypes.c_uint64 * 2)]
 
 
 class WState(ctypes.Structure):
@@ -58,7 +60,7 @@ U32 = ctypes.c_uint32
 PSTATE_DTYPE = np.dtype(PState)
 WSTATE_DTYPE = np.dtype(WState)
 COMPLETION_DTYPE = np.dtype(Completion_)
-assert PSTATE_DTYPE.itemsize == 40 and WSTATE_DTYPE.itemsize == 48 and COMPLETION_DTYPE.itemsize == 16
+assert PSTATE_DTYPE.itemsize == 56 and WSTATE_DTYPE.itemsize == 48 and COMPLETION_DTYPE.itemsize == 16
 
 
 def c_defines() -> str:

@@ -30,9 +30,10 @@ PROG_PIN = "prog"
 MAP_NAMES = ("jobs", "flows", "ports", "pool", "pstate", "wstate", "counters", "completions")
 FUNC_NAME = "xdp_dosa"
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
-#: s64 entries of the aggregation pool by default: 16M = 128 MiB, two jobs of dosa.job.DEFAULT_SLOTS
-#: slots at the default partition size
-DEFAULT_POOL_SLOTS = 1 << 24
+#: s64 entries of the aggregation pool by default: 17M = 136 MiB, two jobs of dosa.job.DEFAULT_SLOTS
+#: slots at the default partition size (64 x 2 buffers of 65536 sums + a 16384-offset touched list
+#: in 4096 entries, control.alloc.touched_list_cap)
+DEFAULT_POOL_SLOTS = 17 << 20
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ The DPU worker (another process) uses the read/advance side::
     dp = DataplaneMaps.open("dpu0")
     for c in dp.poll_completions(timeout_ms=100):       # Completion(job_id, partition, round, scale_exp)
         sums = dp.buffer(c.job_id, c.partition, c.round)  # int64 view, zero-copy: index lo + i
+        lst, n = dp.touched(c.job_id, c.partition, c.round)  # offsets of its non-zeros (n <= len(lst))
         ...  # build and send result packets from sums
         dp.advance(c.job_id, c.partition, c.round)        # clear the slot's previous occupant
 
@@ -67,19 +68,29 @@ class JobInfo:
     wstate_off: int
     scale_exp: int
     port: int
-    stride: int = 0  # pool entries per buffer; 0 = min(partition_size, numel)
+    stride: int = 0  # s64 sums per buffer; 0 = min(partition_size, numel)
     slots: int = 0  # aggregation slots of the job on this DPU (docs/dataplane.md); 0 = num_owned
+    list_cap: int = 0  # u16 offsets in each buffer's touched list (a multiple of 4); 0 = no lists
 
     def __post_init__(self):
         if not self.stride:
             object.__setattr__(self, "stride", min(self.partition_size, self.numel))
         if not self.slots:
             object.__setattr__(self, "slots", self.num_owned)
+        if self.list_cap % 4 or self.list_cap < 0:
+            raise DosaError(f"job {self.job_id}: touched-list capacity {self.list_cap} is not a "
+                            "multiple of 4 (the lists are packed 4 offsets per s64 pool entry)")
+
+    @property
+    def pitch(self) -> int:
+        """Pool entries per buffer: its ``stride`` sums, then its touched list (``list_cap`` u16
+        offsets, 4 per entry)."""
+        return self.stride + self.list_cap // 4
 
     @property
     def pool_len(self) -> int:
         """Pool entries the job holds: two buffers (occupant parity) per slot, whatever numel."""
-        return self.slots * 2 * self.stride
+        return self.slots * 2 * self.pitch
 
     @property
     def pstate_len(self) -> int:
@@ -256,8 +267,29 @@ class DataplaneMaps:
         the slot's two accepted occupants (``in_window``)."""
         j = job or self._job(job_id)
         lo, hi = j.bounds(partition)
-        start = j.pool_off + (j.slot(partition) * 2 + (j.gen(partition, round) & 1)) * j.stride
+        start = self._buf_start(j, j.slot(partition), j.gen(partition, round) & 1)
         return self.pool[start:start + (hi - lo)]
+
+    def touched(self, job_id: int, partition: int, round: int,
+                job: JobInfo | None = None) -> tuple[np.ndarray, int] | None:
+        """The touched list of (partition, round)'s buffer (see ``buffer``) as (zero-copy uint16
+        view of its ``list_cap`` positions, count): XDP appends an entry's offset (index - lo) each
+        time its sum goes from 0 to non-zero, so when ``count <= list_cap`` the first ``count``
+        positions name every non-zero sum (maybe more than once, maybe some that cancelled back to
+        zero); a larger count means the list overflowed (scan the buffer). None: the job keeps no
+        lists."""
+        j = job or self._job(job_id)
+        if not j.list_cap:
+            return None
+        slot, par = j.slot(partition), j.gen(partition, round) & 1
+        start = self._buf_start(j, slot, par) + j.stride
+        lst = self.pool[start:start + j.list_cap // 4].view(np.uint16)
+        return lst, int(self.pstate["touched"][j.pstate_off + slot, par])
+
+    @staticmethod
+    def _buf_start(j: JobInfo, slot: int, parity: int) -> int:
+        """Pool entry of the first sum of ``slot``'s buffer of ``parity``."""
+        return j.pool_off + (slot * 2 + parity) * j.pitch
 
     def _ps_index(self, j: JobInfo, partition: int) -> int:
         return j.pstate_off + j.slot(partition)
@@ -296,9 +328,9 @@ class DataplaneMaps:
                 job: JobInfo | None = None, clear=None) -> bool:
         """(partition, completed_round) is complete: if it is its slot's occupant after the base,
         every host holds the base occupant's result (a host sends a slot's next occupant only
-        then), so clear the base's buffer, dedup bitmaps and counters (its parity) and make
-        (partition, completed_round) the base (docs/dataplane.md, *Slots*). Call it BEFORE sending
-        the result of completed_round. Idempotent: returns False (and touches nothing) when the
+        then), so clear the base's buffer, dedup bitmaps, counters and touched count (its parity)
+        and make (partition, completed_round) the base (docs/dataplane.md, *Slots*). Call it BEFORE
+        sending the result of completed_round. Idempotent: returns False (and touches nothing) when the
         slot's base is already that occupant or a later one.
 
         ``nonzero``: offsets (from the first index of the *cleared* occupant's partition) of every
@@ -324,7 +356,7 @@ class DataplaneMaps:
 
     def _clear_parity(self, j: JobInfo, slot: int, par: int, nonzero=None, clear=None) -> None:
         i = j.pstate_off + slot
-        start = j.pool_off + (slot * 2 + par) * j.stride
+        start = self._buf_start(j, slot, par)
         buf = self.pool[start:start + j.stride]
         if clear is not None:
             clear(buf)
@@ -335,6 +367,7 @@ class DataplaneMaps:
         self.wstate[self._ws_slice(j, slot, par)] = 0
         self.pstate["workers_done"][i, par] = 0
         self.pstate["scale_tag"][i, par] = 0
+        self.pstate["touched"][i, par] = 0  # the list's positions need no clearing: past the count
 
     # ---------------------------------------------------------------------------------------------
     # counters

@@ -7,7 +7,7 @@ the GIL over typed memoryviews; a batch costs one call, never one Python step pe
 """
 import numpy as np
 
-from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 
 from dataplane.reasons import Counter
 
@@ -25,6 +25,12 @@ cdef int V_UNKNOWN_WORKER = Counter.UNKNOWN_WORKER
 
 cdef enum:
     SCALE_UNSET = 127  # outside the protocol's -32..62
+    BITMAP_WORDS = 1024  # the listed extraction's scratch bitmap: 65536 bits, one per u16 offset
+    PREFETCH = 16  # sums the listed extraction's gather prefetches ahead (32 and 64: no better)
+
+cdef extern from *:
+    int __builtin_ctzll(unsigned long long) nogil
+    void __builtin_prefetch(const void*) nogil
 
 
 cdef inline uint32_t be32(const uint8_t* p) noexcept nogil:
@@ -165,6 +171,59 @@ cdef inline Py_ssize_t _extract(const int64_t* buf, Py_ssize_t n, int64_t base_i
     return k
 
 
+cdef inline Py_ssize_t _extract_listed(const int64_t* buf, Py_ssize_t n, const uint16_t* lst,
+                                       Py_ssize_t cnt, uint64_t* bits, int64_t base_index,
+                                       uint32_t* oi, int32_t* os, Py_ssize_t* nsat) noexcept nogil:
+    """Exactly what _extract writes for buf[0:n], read only at the offsets lst[0:cnt]: the touched
+    list XDP wrote (dataplane/dosa_xdp.c touch()), which names every non-zero sum, in any order,
+    some more than once, some whose sum cancelled back to zero. A bit per listed offset in
+    ``bits`` (a zeroed bitmap of at least ceil(n / 64) words) sorts and deduplicates them; the
+    words between the lowest and the highest set are walked in order (and cleared: the bitmap is
+    zeroed again on return) into oi as offsets. Then each listed sum is read, saturated, counted
+    and stored as in _extract (zeros skipped), compacting oi in place. That gather is a loop of
+    its own, prefetching PREFETCH sums ahead: the sums are a few per cent of a buffer that is not
+    in cache, one cache miss each, and only a loop free of data-dependent branches keeps enough of
+    them in flight (walking and reading in one loop was slower than scanning the whole buffer).
+    Offsets at or past n (none when the list is XDP's) are ignored."""
+    cdef Py_ssize_t i, j, w, m = 0, k = 0, ns = 0, wlo = n, whi = -1
+    cdef uint64_t word
+    cdef int64_t v
+    cdef bint hi, lo
+    for i in range(cnt):
+        j = lst[i]
+        if j < n:
+            w = j >> 6
+            bits[w] |= (<uint64_t>1) << (j & 63)
+            if w < wlo:
+                wlo = w
+            if w > whi:
+                whi = w
+    for w in range(wlo, whi + 1):
+        word = bits[w]
+        if word == 0:
+            continue
+        bits[w] = 0
+        while word:
+            oi[m] = <uint32_t>((w << 6) + __builtin_ctzll(word))
+            m += 1
+            word &= word - 1
+    for i in range(m):  # oi[i] is read before oi[k <= i] is written: compaction in place is safe
+        if i + PREFETCH < m:
+            __builtin_prefetch(&buf[oi[i + PREFETCH]])
+        j = oi[i]
+        v = buf[j]
+        hi = v > 2147483647
+        lo = v < -2147483647
+        ns += hi | lo
+        v = 2147483647 if hi else v
+        v = -2147483647 if lo else v
+        oi[k] = <uint32_t>(base_index + j)
+        os[k] = <int32_t>v
+        k += v != 0
+    nsat[0] += ns
+    return k
+
+
 def extract_nonzero(const int64_t[::1] buf, int64_t base_index):
     """Non-zero sums of ``buf`` as (absolute u32 indices, s32 sums, number saturated).
 
@@ -186,17 +245,46 @@ def extract_nonzero(const int64_t[::1] buf, int64_t base_index):
     return scratch_i[:k].copy(), scratch_v[:k].copy(), nsat
 
 
+def extract_listed(const int64_t[::1] buf, const uint16_t[::1] lst, count, int64_t base_index):
+    """extract_nonzero's output (absolute u32 indices, s32 sums, number saturated) read from the
+    buffer's touched list (``lst``, ``count``: dataplane.maps.DataplaneMaps.touched) instead of a
+    pass over the whole buffer; a list that overflowed (count > len(lst)) falls back to that pass.
+    One partition through extract_many."""
+    cdef Py_ssize_t n = buf.shape[0]
+    oi = np.empty(n, np.uint32)
+    ov = np.empty(n, np.int32)
+    starts = np.empty(2, np.int64)
+    nsat = np.empty(1, np.int64)
+    k = extract_many([buf], np.array([base_index], np.int64), oi, ov, starts, nsat,
+                     [(lst, count)])
+    return oi[:k].copy(), ov[:k].copy(), int(nsat[0])
+
+
 def extract_many(list bufs, const int64_t[::1] base_index, uint32_t[::1] out_idx,
-                 int32_t[::1] out_val, int64_t[::1] starts, int64_t[::1] nsat):
+                 int32_t[::1] out_val, int64_t[::1] starts, int64_t[::1] nsat, list lists=None,
+                 uint64_t[::1] bits=None):
     """extract_nonzero over several buffers in one call: the non-zeros of ``bufs[k]`` (an int64
     array whose element i is index ``base_index[k] + i``) go to ``out_idx/out_val[starts[k] :
     starts[k+1]]``, packed one partition after the other; ``nsat[k]`` counts its saturated sums.
-    ``out_*`` must hold the sum of the buffers' lengths (the worst case). Returns the total."""
-    cdef Py_ssize_t nb = len(bufs), k, n, pos = 0, cap = out_idx.shape[0], ns
+    ``out_*`` must hold the sum of the buffers' lengths (the worst case). Returns the total.
+
+    ``lists[k]`` (optional): None, or buffer k's touched list as (uint16 array of the list's
+    capacity, count) (dataplane.maps.DataplaneMaps.touched): read instead of the whole buffer
+    when count <= capacity (the output is the same, see _extract_listed), the whole buffer is
+    scanned when the list overflowed. ``bits``: a zeroed scratch bitmap of at least 1024 words
+    (65536 bits), left zeroed; allocated per call when None."""
+    cdef Py_ssize_t nb = len(bufs), k, n, pos = 0, cap = out_idx.shape[0], ns, cnt = 0, nbits
     cdef const int64_t[::1] b
+    cdef const uint16_t[::1] lv
+    cdef bint listed
     if base_index.shape[0] < nb or starts.shape[0] < nb + 1 or nsat.shape[0] < nb \
             or out_val.shape[0] < cap:
         raise ValueError("extract_many: output arrays shorter than the list of buffers")
+    if lists is not None and len(lists) < nb:
+        raise ValueError(f"extract_many: {len(lists)} touched lists for {nb} buffers")
+    if lists is not None and bits is None:
+        bits = np.zeros(BITMAP_WORDS, np.uint64)
+    nbits = 64 * bits.shape[0] if bits is not None else 0
     starts[0] = 0
     for k in range(nb):
         b = bufs[k]
@@ -204,7 +292,19 @@ def extract_many(list bufs, const int64_t[::1] base_index, uint32_t[::1] out_idx
         if pos + n > cap:
             raise ValueError(f"extract_many: scratch of {cap} entries is too small")
         ns = 0
-        if n:
+        listed = False
+        if n and lists is not None and lists[k] is not None:
+            lst, count = lists[k]
+            lv = lst
+            # a list with room that did not overflow, for a buffer the bitmap covers
+            listed = 0 < lv.shape[0] and 0 <= count <= lv.shape[0] and n <= nbits
+            if listed:
+                cnt = count
+        if listed:
+            with nogil:
+                pos += _extract_listed(&b[0], n, &lv[0], cnt, &bits[0], base_index[k],
+                                       &out_idx[pos], &out_val[pos], &ns)
+        elif n:
             with nogil:
                 pos += _extract(&b[0], n, base_index[k], &out_idx[pos], &out_val[pos], &ns)
         nsat[k] = ns

@@ -1,9 +1,10 @@
 """From completed aggregation buffers to result packets, several partitions per call.
 
-The DPU worker's completion path (docs/dpu_worker.md *Building results*): one Cython pass over each
-partition's s64 sums (``_merge.extract_many``) packs the non-zeros of all of them into a scratch,
-the encoding rule of dosa.wire (``wire.encoded_bytes``) is evaluated once for all of them, and
-when every partition goes sparse ``_merge.write_sparse_results`` writes the SPARSE_RESULT packets
+The DPU worker's completion path (docs/dpu_worker.md *Building results*): one Cython call
+(``_merge.extract_many``) packs the non-zeros of all partitions into a scratch, reading each
+partition's sums at the offsets of its touched list (XDP mode, when the list did not overflow) or
+in one pass over its whole s64 buffer, the encoding rule of dosa.wire (``wire.encoded_bytes``) is
+evaluated once for all of them, and when every partition goes sparse ``_merge.write_sparse_results`` writes the SPARSE_RESULT packets
 straight into one PacketBatch: a handful of calls per batch of partitions instead of ~40 numpy
 calls. A partition whose dense run is fewer bytes (or with more entries than the protocol allows)
 is built by ``dosa.packetizer.packetize_results`` from the same entries and copied into its rows;
@@ -39,11 +40,13 @@ class Results:
 
 
 class Scratch:
-    """Reusable worst-case arrays for extract_many (grown on demand)."""
+    """Reusable worst-case arrays for extract_many (grown on demand) and its bitmap (65536 bits,
+    zero between calls)."""
 
     def __init__(self):
         self.idx = np.empty(0, np.uint32)
         self.val = np.empty(0, np.int32)
+        self.bits = np.zeros(1024, np.uint64)
 
     def ensure(self, n: int) -> None:
         if len(self.idx) < n:
@@ -51,29 +54,32 @@ class Scratch:
             self.val = np.empty(n, np.int32)
 
 
-def extract(bufs: list, lo: np.ndarray, scratch: Scratch | None = None):
+def extract(bufs: list, lo: np.ndarray, scratch: Scratch | None = None, lists: list | None = None):
     """Non-zeros of every buffer (``bufs[k][i]`` is index ``lo[k] + i``) as (idx u32, sums s32,
     starts int64 n+1, nsat int64 n), one Cython call; idx is a fresh array, sums (with a scratch
-    given) a view of the scratch, valid until its next use."""
+    given) a view of the scratch, valid until its next use. ``lists[k]``: None or buffer k's
+    touched list as (uint16 array, count) (``DataplaneMaps.touched``): read instead of the whole
+    buffer unless it overflowed; the output is the same."""
     scratch = scratch or Scratch()
     n = len(bufs)
     scratch.ensure(sum(len(b) for b in bufs))
     starts = np.empty(n + 1, np.int64)
     nsat = np.empty(n, np.int64)
     m = _merge.extract_many(bufs, np.ascontiguousarray(lo, np.int64), scratch.idx, scratch.val,
-                            starts, nsat)
+                            starts, nsat, lists, scratch.bits)
     return scratch.idx[:m].copy(), scratch.val[:m], starts, nsat
 
 
 def build_results(bufs: list, parts, lo, pmap: PartitionMap, *, job_id: int, round: int,
                   scale_exp: int, flags: int = 0, mtu: int = wire.DEFAULT_MTU,
-                  scratch: Scratch | None = None) -> Results:
+                  scratch: Scratch | None = None, lists: list | None = None) -> Results:
     """Result packets of partitions ``parts`` (ascending, unique) of one round from their sum
     buffers (``bufs[k]`` holds partition ``parts[k]``'s sums, element i is index ``lo[k] + i``):
-    byte for byte what ``packetize_results`` builds from the buffers' non-zeros (``dest`` -1)."""
+    byte for byte what ``packetize_results`` builds from the buffers' non-zeros (``dest`` -1).
+    ``lists``: the buffers' touched lists or None (``extract``)."""
     parts = np.ascontiguousarray(parts, np.int64)
     lo = np.ascontiguousarray(lo, np.int64)
-    idx, sums, starts, nsat = extract(bufs, lo, scratch)
+    idx, sums, starts, nsat = extract(bufs, lo, scratch, lists)
     counts = np.diff(starts)
     n = len(parts)
     per_s = wire.entries_per_packet(PacketType.SPARSE_RESULT, mtu)

@@ -113,7 +113,11 @@ class JobRuntime:
     def _sums(self, lp: int, rnd: int):
         """(indices, sums to send, all non-zero indices) of (lp, rnd) from its buffer."""
         buf = self.backend.buffer(lp, rnd)
-        idx, sums, nsat = _merge.extract_nonzero(buf, int(self.lo[lp]))
+        touched = self.backend.touched(lp, rnd)
+        if touched is None:
+            idx, sums, nsat = _merge.extract_nonzero(buf, int(self.lo[lp]))
+        else:
+            idx, sums, nsat = _merge.extract_listed(buf, *touched, int(self.lo[lp]))
         if nsat:
             self._saturated(lp, rnd, nsat)
         nz = idx
@@ -188,9 +192,11 @@ class JobRuntime:
             rows = np.append(np.searchsorted(hp, parts, "left"), len(batch)).tolist()
             nz = [(g[2], 0, len(g[2])) for g in got]
         else:
-            res = build_results([self.backend.buffer(lp, rnd) for lp in lps], parts, self.lo[lps],
+            be = self.backend
+            res = build_results([be.buffer(lp, rnd) for lp in lps], parts, self.lo[lps],
                                 self.pmap, job_id=self.job.job_id, round=rnd, scale_exp=scale,
-                                flags=self._flags(), mtu=self.job.mtu, scratch=self._scratch)
+                                flags=self._flags(), mtu=self.job.mtu, scratch=self._scratch,
+                                lists=[be.touched(lp, rnd) for lp in lps])
             batch, nentries = res.batch, len(res.idx)
             rows = res.rows.tolist()
             st = res.starts.tolist()
@@ -700,6 +706,9 @@ class UserspaceBackend:
 
     def buffer(self, lp, rnd):
         return self.state.buffer(lp, rnd)
+
+    def touched(self, lp, rnd):
+        return None  # MergeState keeps no touched lists: results scan the buffer
 
     def scale_exp(self, lp, rnd):
         return int(self.state.scale_of[lp, rnd & 1])

@@ -120,6 +120,11 @@ class XdpBackend:
     def buffer(self, lp: int, rnd: int) -> np.ndarray:
         return self.maps.buffer(self.job_id, int(self.owned[lp]), rnd, job=self.info)
 
+    def touched(self, lp: int, rnd: int) -> tuple[np.ndarray, int] | None:
+        """The buffer's touched list (uint16 view, count; DataplaneMaps.touched): the offsets of
+        its non-zeros unless the count exceeds the list's capacity; None when the job has none."""
+        return self.maps.touched(self.job_id, int(self.owned[lp]), rnd, job=self.info)
+
     def scale_exp(self, lp: int, rnd: int) -> int:
         tag = int(self._scale_tag[self.info.pstate_off + self._slot[lp], self._gen(lp, rnd) & 1])
         return tag - self.bias if tag else 0

@@ -6,6 +6,7 @@ import numpy as np
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
+from control.alloc import touched_list_cap
 from dataplane import libbpf
 from dataplane.maps import DataplaneMaps, JobInfo
 from dosa import wire
@@ -38,16 +39,19 @@ class Harness:
         self._pool = self._pstate = self._wstate = 0
 
     def job(self, workers=2, numel=1000, partition_size=256, num_dpus=1, dpu_index=0,
-            install_flows=True, slots=0) -> JobInfo:
+            install_flows=True, slots=0, list_cap=None) -> JobInfo:
         """A fresh job with its own (bump-allocated) regions and every worker's flow installed;
-        ``slots`` aggregation slots (0: one per owned partition)."""
+        ``slots`` aggregation slots (0: one per owned partition); ``list_cap`` offsets in each
+        buffer's touched list (None: what the control plane chooses, 0: no lists)."""
         self._next_job += 1
         nparts = -(-numel // partition_size)
         owned = len(range(dpu_index, nparts, num_dpus))
+        if list_cap is None:
+            list_cap = touched_list_cap(min(partition_size, numel))
         j = JobInfo(job_id=self._next_job, workers=workers, partition_size=partition_size, numel=numel,
                     num_partitions=nparts, dpu_index=dpu_index, num_dpus=num_dpus, num_owned=owned,
                     mode=0, pool_off=self._pool, pstate_off=self._pstate, wstate_off=self._wstate,
-                    scale_exp=0, port=PORT, slots=slots)
+                    scale_exp=0, port=PORT, slots=slots, list_cap=list_cap)
         self._pool += j.pool_len
         self._pstate += j.pstate_len
         self._wstate += j.wstate_len

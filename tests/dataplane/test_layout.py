@@ -59,5 +59,5 @@ def test_job_info_is_the_job_layout_table():
     from dataplane.maps import JobInfo
 
     assert [f.name for f in fields(JobInfo)] == ["job_id"] + [n for n, _ in layout.Job._fields_]
-    j = JobInfo(**{f.name: i + 1 for i, f in enumerate(fields(JobInfo))})
+    j = JobInfo(**{f.name: 4 * (i + 1) for i, f in enumerate(fields(JobInfo))})  # list_cap: 4k
     assert JobInfo.from_struct(j.job_id, j.to_struct()) == j

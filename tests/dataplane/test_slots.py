@@ -50,7 +50,8 @@ def test_a_job_many_times_its_slots_runs_rounds_exactly(h, num_dpus, dpu_index):
     every sum exact, and the job's pool region is 3 slots whatever numel."""
     rng = np.random.default_rng(7)
     j = h.job(workers=3, numel=5000, partition_size=256, num_dpus=num_dpus, dpu_index=dpu_index, slots=3)
-    assert j.pool_len == 3 * 2 * 256 < j.num_owned * 2 * 256
+    assert j.pitch == 256 + 64 // 4  # 256 sums and a 64-offset touched list
+    assert j.pool_len == 3 * 2 * j.pitch < j.num_owned * 2 * j.pitch
     owned = j.owned_partitions()
     dups = sent = 0
     for rnd in range(3):

@@ -142,3 +142,92 @@ def test_write_sparse_results_checks_its_arguments():
                                     np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
                                     np.zeros(1, np.int64), np.array([2]), np.array([1]), 240,
                                     1, 0, 0, 0, -1)
+
+
+def _touched(n, rng, density, cap, cancel=0.1, sat=False):
+    """A buffer of n sums built the way XDP builds it, with its touched list: random s32 adds (some
+    0, some cancelling an entry back to zero, then maybe touching it again), each 0 -> non-zero
+    transition appending the entry's offset while the list has room; the count keeps going."""
+    at = rng.choice(n, int(rng.binomial(n, density)), replace=False)
+    adds = [(int(o), int(v)) for o, v in zip(at, rng.integers(-2**20, 2**20, len(at)))]
+    for o in at[:int(len(at) * cancel)].tolist():  # back to zero; half of them touched again
+        adds += [(o, "cancel")] + ([(o, int(rng.integers(1, 100)))] if rng.random() < 0.5 else [])
+    adds += [(int(o), 0) for o in rng.choice(n, 5)]  # zero values: no add, no listing
+    if sat and len(at):
+        adds += [(int(at[0]), 2**31 - 1)] * 3 + [(int(at[-1]), -2**31 + 1)] * 3
+    buf = np.zeros(n, np.int64)
+    lst = np.zeros(cap, np.uint16)
+    count = 0
+    for o, v in adds:
+        v = -int(buf[o]) if v == "cancel" else v
+        if v == 0:
+            continue
+        old = buf[o]
+        buf[o] += v
+        if old == 0:
+            if count < cap:
+                lst[count] = o
+            count += 1
+    return buf, lst, count
+
+
+@pytest.mark.parametrize("mtu", [1500, 3500])
+def test_touched_lists_give_byte_for_byte_the_full_scan_s_results(mtu):
+    """build_results reading touched lists (duplicates, entries cancelled to zero, an overflowed
+    list that falls back to the scan, empty lists, a partition without a list, saturated sums, a
+    short last partition, a dense fallback) equals the full scan in every output."""
+    rng = np.random.default_rng(mtu)
+    pmap = PartitionMap(numel=7 * 65536 + 10007, partition_size=65536)
+    parts = np.arange(8)
+    density = [0.02, 0.0, 0.03, 0.3, 0.001, 0.02, 0.0, 0.04]  # 3: more than the list holds
+    bufs, lists = [], []
+    for k, p in enumerate(parts):
+        lo, hi = pmap.bounds(int(p))
+        b, lst, count = _touched(hi - lo, rng, density[k], 16384, sat=k == 2)
+        bufs.append(b)
+        lists.append((lst, count))
+    assert lists[3][1] > 16384 and lists[1][1] == 0  # one overflowed, one empty
+    assert any(len(set(lst[:c].tolist())) < c for lst, c in lists if c <= len(lst))  # duplicates
+    lists[5] = None  # no list: scanned
+    bufs[6][1000:3000] = rng.integers(1, 1000, 2000)  # a dense run (listed, as XDP would have)
+    lists[6] = (np.arange(1000, 1000 + 16384, dtype=np.uint16), 2000)
+    kw = dict(job_id=9, round=3, scale_exp=2, mtu=mtu)
+    scratch = Scratch()
+    full = build_results(bufs, parts, parts * 65536, pmap, **kw)
+    got = build_results(bufs, parts, parts * 65536, pmap, scratch=scratch, lists=lists, **kw)
+    _same(got.batch, full.batch)
+    for name in ("rows", "idx", "sums", "starts", "nsat"):
+        assert np.array_equal(getattr(got, name), getattr(full, name)), name
+    assert got.nsat[2] > 0 and not got.fast
+    assert not scratch.bits.any()  # the bitmap is left zeroed for the next call
+
+
+def test_the_list_is_what_is_read_unless_it_overflowed():
+    """A list missing a non-zero loses it (so the list, not the buffer, was read); the same list
+    with a count past its capacity makes extract_listed scan the buffer; a count of 0 reads nothing."""
+    rng = np.random.default_rng(4)
+    buf, lst, count = _touched(65536, rng, 0.02, 16384)
+    ref = _merge.extract_nonzero(buf, 123)
+    got = _merge.extract_listed(buf, lst, count, 123)
+    assert all(np.array_equal(a, b) for a, b in zip(got[:2], ref[:2])) and got[2] == ref[2]
+    first = next(int(o) for o in lst[:count] if buf[o] != 0)
+    other = next(int(o) for o in lst[:count] if o != first)
+    short = lst.copy()
+    short[:count][short[:count] == first] = other  # forget one non-zero entry
+    got = _merge.extract_listed(buf, short, count, 123)
+    assert 123 + first not in got[0].tolist() and len(got[0]) == len(ref[0]) - 1
+    got = _merge.extract_listed(buf, short, len(short) + 1, 123)  # overflowed: scanned
+    assert np.array_equal(got[0], ref[0])
+    assert len(_merge.extract_listed(buf, lst, 0, 123)[0]) == 0
+    # extract_many: mixed list / no list / overflowed, against the scan of every buffer
+    bufs = [buf, buf[:1000].copy(), buf.copy()]
+    n = sum(len(b) for b in bufs)
+    outs = []
+    for lists in (None, [(lst, count), None, (short, len(short) + 5)]):
+        oi, ov = np.empty(n, np.uint32), np.empty(n, np.int32)
+        st, ns = np.empty(4, np.int64), np.empty(3, np.int64)
+        m = _merge.extract_many(bufs, np.array([0, 70000, 140000]), oi, ov, st, ns, lists)
+        outs.append((oi[:m].copy(), ov[:m].copy(), st.copy(), ns.copy()))
+    assert all(np.array_equal(a, b) for a, b in zip(*outs))
+    with pytest.raises(ValueError, match="touched lists"):
+        _merge.extract_many(bufs, np.zeros(3, np.int64), oi, ov, st, ns, [None])

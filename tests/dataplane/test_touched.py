@@ -1,0 +1,192 @@
+"""Touched lists through BPF_PROG_TEST_RUN: XDP appends an entry's offset to its buffer's list each
+time the entry's sum goes from 0 to non-zero, so the DPU worker reads the listed sums instead of
+scanning the buffer. The list names exactly the touched entries, zero values add and list nothing,
+an overflowing list keeps counting without writing past its capacity, advance() resets the count;
+and the index check pass 1 skips for a full-width partition at base == lo loses nothing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dataplane.reasons import Counter
+from dataplane_harness import XDP_DROP, Harness
+from dosa import wire
+from dpu_fw import _merge
+
+pytestmark = [pytest.mark.root, pytest.mark.timeout(180)]
+
+
+def listed(h, j, p, rnd):
+    """(the list's first count offsets as an array, count) of (p, rnd)'s buffer."""
+    lst, count = h.maps.touched(j.job_id, p, rnd, job=j)
+    assert len(lst) == j.list_cap
+    return lst[:min(count, j.list_cap)].copy(), count
+
+
+def positive(rng, j, p, density):
+    """Sorted unique indices of partition p and values >= 1: sums of them never cancel."""
+    lo, hi = j.bounds(p)
+    idx = np.sort(rng.choice(np.arange(lo, hi), rng.binomial(hi - lo, density), replace=False))
+    return idx, rng.integers(1, 1000, len(idx))
+
+
+def sparse_frame(j, worker, p, rnd, base, idx, val, seq=0, total=1):
+    hd = wire.Header(type=wire.PacketType.SPARSE_DATA, job_id=j.job_id, worker_id=worker,
+                     partition=p, round=rnd, seq=seq, total=total, base=base,
+                     flags=int(wire.Flags.LAST) if seq == total - 1 else 0)
+    ent = np.stack([np.asarray(idx, np.int64), np.asarray(val, np.int64)], axis=1)
+    return Harness.frame(wire.build_packet(hd, ent), worker)
+
+
+def test_the_list_names_exactly_the_touched_entries_and_extracts_like_the_scan(h):
+    rng = np.random.default_rng(11)
+    j = h.job(workers=3, numel=1800, partition_size=512)
+    assert j.list_cap == 128 and j.pitch == 512 + 32
+    touched = {}
+    for p in j.owned_partitions():
+        lo, hi = j.bounds(p)
+        ref = np.zeros(hi - lo, np.int64)
+        for w in range(j.workers):
+            idx, val = positive(rng, j, int(p), 0.04)
+            np.add.at(ref, idx - lo, val)
+            h.run_all(h.data(j, w, int(p), 0, idx, val, per_packet=20))
+        touched[int(p)] = set(np.flatnonzero(ref).tolist())
+        assert np.array_equal(h.maps.buffer(j.job_id, int(p), 0), ref)
+    assert h.counters()[Counter.MERGED] > 0 and h.counters()[Counter.INDEX_OUT_OF_PARTITION] == 0
+    for p, want in touched.items():
+        lst, count = listed(h, j, p, 0)
+        assert count == len(want) == len(lst) and set(lst.tolist()) == want, p  # one first touch each
+        buf = h.maps.buffer(j.job_id, p, 0)
+        lo = j.bounds(p)[0]
+        got, ref = _merge.extract_listed(buf, *h.maps.touched(j.job_id, p, 0), lo), \
+            _merge.extract_nonzero(buf, lo)
+        assert all(np.array_equal(a, b) for a, b in zip(got[:2], ref[:2])) and got[2] == ref[2]
+        assert listed(h, j, p, 1)[1] == 0  # the slot's other parity has touched nothing
+
+
+def test_zero_values_add_and_list_nothing(h):
+    j = h.job(workers=1, numel=256, partition_size=256)
+    frame = sparse_frame(j, 0, 0, 0, 0, [3, 5, 9, 200], [0, 7, 0, -4])
+    assert h.run(frame) == XDP_DROP and h.counters()[Counter.MERGED] == 1
+    buf = h.maps.buffer(j.job_id, 0, 0)
+    assert np.flatnonzero(buf).tolist() == [5, 200] and buf[5] == 7 and buf[200] == -4
+    lst, count = listed(h, j, 0, 0)
+    assert count == 2 and sorted(lst.tolist()) == [5, 200]
+
+
+def test_dense_blocks_list_their_non_zero_values(h):
+    j = h.job(workers=1, numel=512, partition_size=512)
+    vals = np.zeros(40, np.int64)
+    vals[[0, 7, 8, 39]] = [1, -2, 3, 2**31 - 1]
+    hd = wire.Header(type=wire.PacketType.DENSE_DATA, job_id=j.job_id, partition=0, total=1,
+                     flags=int(wire.Flags.LAST), base=100)
+    assert h.run(Harness.frame(wire.build_packet(hd, vals))) == XDP_DROP
+    assert h.counters()[Counter.MERGED] == 1
+    lst, count = listed(h, j, 0, 0)
+    assert count == 4 and sorted(lst.tolist()) == [100, 107, 108, 139]
+
+
+def test_a_sum_that_cancels_to_zero_and_is_touched_again_is_listed_twice(h):
+    """Worker 0 adds 5, worker 1 adds -5 (back to 0), worker 2 adds 7: two 0 -> non-zero
+    transitions, so the offset is listed twice; one that only cancels is listed once, sum 0."""
+    j = h.job(workers=3, numel=256, partition_size=256)
+    frames = [sparse_frame(j, 0, 0, 0, 0, [3, 10], [5, 6]), sparse_frame(j, 1, 0, 0, 0, [3, 10], [-5, -6]),
+              sparse_frame(j, 2, 0, 0, 0, [3], [7])]
+    assert h.run_all(frames) == [XDP_DROP] * 3
+    assert [(c.partition, c.round) for c in h.maps.poll_completions(0)] == [(0, 0)]
+    lst, count = listed(h, j, 0, 0)
+    assert count == 3 and sorted(lst.tolist()) == [3, 3, 10]
+    buf = h.maps.buffer(j.job_id, 0, 0)
+    assert buf[3] == 7 and buf[10] == 0 and np.count_nonzero(buf) == 1
+    idx, sums, _ = _merge.extract_listed(buf, *h.maps.touched(j.job_id, 0, 0), 0)
+    assert idx.tolist() == [3] and sums.tolist() == [7]
+
+
+def test_an_overflowing_list_keeps_counting_and_writes_nothing_past_its_capacity(h):
+    rng = np.random.default_rng(12)
+    j = h.job(workers=2, numel=2 * 256, partition_size=256, list_cap=8)
+    assert j.pitch == 256 + 2
+    before = h.maps.pool.copy()
+    ref = np.zeros(256, np.int64)
+    for w in range(2):
+        idx, val = positive(rng, j, 0, 0.2)
+        np.add.at(ref, idx, val)
+        h.run_all(h.data(j, w, 0, 0, idx, val, per_packet=30))
+    want = set(np.flatnonzero(ref).tolist())
+    lst, count = listed(h, j, 0, 0)
+    assert count == len(want) > 8 and len(lst) == 8
+    assert len(set(lst.tolist())) == 8 and set(lst.tolist()) <= want
+    changed = set(np.flatnonzero(h.maps.pool != before).tolist())
+    buf0 = j.pool_off  # partition 0, round 0: slot 0, parity 0
+    assert changed <= set(range(buf0, buf0 + 256 + 2))  # its sums and its 2 list entries only
+    # an overflowed list is not read: the extraction scans the buffer and gives the same result
+    buf = h.maps.buffer(j.job_id, 0, 0)
+    got, ref_ = _merge.extract_listed(buf, *h.maps.touched(j.job_id, 0, 0), 0), _merge.extract_nonzero(buf, 0)
+    assert np.array_equal(got[0], ref_[0]) and np.array_equal(got[1], ref_[1])
+
+
+def test_advance_resets_the_cleared_parity_s_count(h):
+    """One partition (its own slot): occupants are rounds. Completing round 1 releases round 0:
+    advance() zeroes round 0's count with the rest of its parity; round 2 then lists afresh."""
+    rng = np.random.default_rng(13)
+    j = h.job(workers=1, numel=256, partition_size=256)
+    sets = {}
+
+    def count_of(parity):
+        return int(h.maps.pstate["touched"][j.pstate_off, parity])
+
+    for rnd in range(3):
+        idx, val = positive(rng, j, 0, 0.1)
+        h.run_all(h.data(j, 0, 0, rnd, idx, val))
+        assert [(c.partition, c.round) for c in h.maps.poll_completions(0)] == [(0, rnd)]
+        sets[rnd] = set((idx - j.bounds(0)[0]).tolist())
+        lst, count = listed(h, j, 0, rnd)
+        assert count == len(sets[rnd]) and set(lst.tolist()) == sets[rnd], rnd
+        if rnd == 1:
+            assert count_of(0) == len(sets[0])  # round 0 is the shadow copy still
+        h.maps.advance(j.job_id, 0, rnd, nonzero=np.array(sorted(sets[rnd - 1])) if rnd else None)
+        if rnd >= 1:  # the previous round's parity was cleared, count included
+            assert count_of((rnd - 1) & 1) == 0
+            assert not h.maps.buffer(j.job_id, 0, rnd - 1).any()
+            assert count_of(rnd & 1) == len(sets[rnd])
+
+
+def test_a_job_without_lists_keeps_none(h):
+    j = h.job(workers=1, numel=256, partition_size=256, list_cap=0)
+    assert j.pitch == j.stride == 256
+    h.run(sparse_frame(j, 0, 0, 0, 0, [1, 2], [3, 4]))
+    assert h.maps.touched(j.job_id, 0, 0) is None
+    assert int(h.maps.pstate[j.pstate_off]["touched"][0]) == 0
+    assert h.maps.buffer(j.job_id, 0, 0)[1:3].tolist() == [3, 4]
+
+
+def test_full_width_partition_at_base_lo_skips_the_index_pass_and_loses_nothing(h):
+    """Partition 1 of a 65536-entry partitioning at base == lo: every u16 offset is inside, the
+    index pass is skipped, and offsets 0 and 65535 land; a base above lo that pushes an offset past
+    the partition, a base below lo with an index under it, and an index past a short last
+    partition are still rejected."""
+    P = 65536
+    j = h.job(workers=1, numel=2 * P + 100, partition_size=P)
+    lo = P
+    idx = np.array([lo, lo + 1, lo + 4097, lo + P - 1])
+    val = np.array([1, -2, 3, 4])
+    assert h.run(sparse_frame(j, 0, 1, 0, lo, idx, val)) == XDP_DROP
+    c = h.counters()
+    assert c[Counter.MERGED] == 1 and c[Counter.INDEX_OUT_OF_PARTITION] == 0
+    buf = h.maps.buffer(j.job_id, 1, 0)
+    assert buf[idx - lo].tolist() == val.tolist() and np.count_nonzero(buf) == 4
+    lst, count = listed(h, j, 1, 0)
+    assert count == 4 and sorted(lst.tolist()) == (idx - lo).tolist()
+
+    bad = [sparse_frame(j, 0, 1, 0, lo + 10, [lo + 10, lo + 10 + P - 1], [1, 1]),  # past hi
+           sparse_frame(j, 0, 1, 0, lo - 5, [lo - 5, lo + 3], [1, 1]),  # under lo
+           sparse_frame(j, 0, 2, 0, 2 * P, [2 * P, 2 * P + 100], [1, 1])]  # past the short partition
+    before = h.counters()
+    assert h.run_all(bad) == [XDP_DROP] * 3
+    d = h.counters() - before
+    assert d[Counter.INDEX_OUT_OF_PARTITION] == 3 and d[Counter.MERGED] == 0
+    assert np.count_nonzero(h.maps.buffer(j.job_id, 1, 0)) == 4 and listed(h, j, 1, 0)[1] == 4
+    assert not h.maps.buffer(j.job_id, 2, 0).any() and listed(h, j, 2, 0)[1] == 0
+    # the short partition still merges what lies inside it
+    assert h.run(sparse_frame(j, 0, 2, 0, 2 * P, [2 * P, 2 * P + 99], [5, 6])) == XDP_DROP
+    assert h.maps.buffer(j.job_id, 2, 0)[[0, 99]].tolist() == [5, 6]
