@@ -209,7 +209,8 @@ cdef class RoundEngine:
         self.ctr = counters
         if self.ctr.shape[0] < 9:
             raise ValueError("counters needs the 9 C_* slots")
-        self.rng = seed * 0x9E3779B97F4A7C15 + 1 if seed else 0
+        # any non-zero 64-bit state for xorshift64 (0 would stay 0)
+        self.rng = ((int(seed) * 0x9E3779B97F4A7C15 + 1) & 0xFFFFFFFFFFFFFFFF) or 1 if seed else 0
         self.sent = np.zeros(P, np.uint8)
         self.done = np.zeros(P, np.uint8)
         self.got = np.zeros((P, MAXPK), np.uint8)

@@ -528,7 +528,12 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
     from testbed.core import Testbed
 
     pm = PartitionMap(args.numel, DEFAULT_PARTITION_SIZE, args.dpus)
-    slots = max(1 << 22, 2 * len(pm.owned_by(0)) * DEFAULT_PARTITION_SIZE)
+    from control.alloc import touched_list_cap
+
+    # room for one buffer pair per owned partition (DOSA_BENCH_SLOTS up to every partition), each
+    # with its touched list (docs/dataplane.md)
+    pitch = DEFAULT_PARTITION_SIZE + touched_list_cap(DEFAULT_PARTITION_SIZE) // 4
+    slots = max(1 << 22, 2 * len(pm.owned_by(0)) * pitch)
     prefix = f"db{uuid.uuid4().hex[:5]}"
     tb = Testbed(prefix=prefix, subnet="10.231.99.0/24", services=_services(slots),
                  state_dir=tempfile.mkdtemp(prefix="dosa-bench-state-"))

@@ -40,7 +40,8 @@ def test_jobs_get_disjoint_regions_and_admission_refuses_when_full(clean):
 
     a = clean.add_job(1, workers=2, numel=20000, partition_size=8192)  # 3 partitions x2 x8192
     b = clean.add_job(2, workers=4, numel=10000, partition_size=4096, num_dpus=2, dpu_index=1)
-    assert a.pool_len == 3 * 2 * 8192 and b.num_owned == 1 and b.pool_len == 2 * 4096
+    # a buffer is its sums plus its touched list (stride / 4 u16 offsets = stride / 16 entries)
+    assert a.pool_len == 3 * 2 * (8192 + 512) and b.num_owned == 1 and b.pool_len == 2 * (4096 + 256)
     ra = range(a.pool_off, a.pool_off + a.pool_len)
     rb = range(b.pool_off, b.pool_off + b.pool_len)
     assert not set(ra) & set(rb)
