@@ -140,34 +140,48 @@ static __always_inline int locate(struct dosa_hdr *h, struct dosa_job *job, stru
 	return -1;
 }
 
-/* Entry `off` of the partition (index - lo) went from 0 to non-zero: append it to its buffer's
- * touched list, so the DPU worker reads the listed sums instead of scanning the whole buffer. The
- * count is claimed first and keeps growing past list_cap: a count above the capacity tells the
- * worker the list is incomplete (it scans the buffer then). An entry whose sum cancels to zero and
- * is touched again is listed twice; the reader tolerates duplicates. */
-static __always_inline void touch(struct merge_ctx *mc, u64 off)
-{
-	u64 pos = __sync_fetch_and_add(&mc->ps->touched[mc->parity & 1], 1);
+/* The touched list of the packet's buffer: the DPU worker reads the sums it names instead of
+ * scanning the whole buffer (docs/dataplane.md, *Touched lists*). A sparse packet lists its offsets
+ * in bulk: it reserves ceil(count / 4) whole list entries (4 u16 offsets each) with one fetch-add
+ * on the buffer's count and copies its offset block there word by word, each u16 turned to host
+ * order. No per-entry work: the offsets of every packet of every worker land in the list, the same
+ * entry once per worker that sent it, and the last word may carry the two bytes of padding or of
+ * the values that follow the offsets; the reader deduplicates and only takes a listed offset whose
+ * sum is non-zero, so extra names are harmless, and every non-zero sum is named. The count keeps
+ * growing past list_cap (nothing is written then): a count above the capacity tells the worker to
+ * scan. A packet whose offsets do not count from the partition's first index (base != lo) or a
+ * dense block makes the list overflow instead (the packetizer never sends the former; dense
+ * blocks are for dense gradients, where a scan costs no more per non-zero). */
+#define DOSA_LIST_WORDS ((DOSA_RX_MAX_SPARSE_ENTRIES + 3) / 4)
 
-	if (pos >= mc->list_cap)
-		return;
-	u32 el = (u32)(mc->list0 + pos / 4);
-	s64 *e = pool.lookup(&el);
-	if (e)
-		((u16 *)e)[pos & 3] = (u16)off;
+static __always_inline void list_overflow(struct merge_ctx *mc)
+{
+	if (mc->list_cap)
+		__sync_fetch_and_add(&mc->ps->touched[mc->parity & 1], (u64)mc->list_cap + 1);
 }
 
-/* Add one s32 value into pool entry `slot` of the packet's buffer; list the entry when it was 0.
- * A value of 0 adds nothing and lists nothing. */
-static __always_inline void add_value(struct merge_ctx *mc, u32 slot, __be32 raw)
+static __always_inline void list_offsets(struct merge_ctx *mc, struct dosa_hdr *h, void *data_end)
 {
-	s64 val = (s32)dosa_ntohl(raw);
+	u64 words = (dosa_ntohs(h->count) + 3) / 4;
 
-	if (val == 0)
+	if (!mc->list_cap || !words)
 		return;
-	s64 *v = pool.lookup(&slot);
-	if (v && __sync_fetch_and_add(v, val) == 0 && mc->list_cap)
-		touch(mc, slot - mc->buf0);
+	u64 pos = __sync_fetch_and_add(&mc->ps->touched[mc->parity & 1], words * 4);
+	if (pos + words * 4 > mc->list_cap)
+		return; /* overflow: the count says so */
+	u64 *src = (void *)(h + 1);
+	u32 el0 = (u32)(mc->list0 + pos / 4);
+	for (int w = 0; w < DOSA_LIST_WORDS; w++) {
+		if (w >= words)
+			break;
+		if ((void *)(&src[w] + 1) > data_end)
+			break; /* cannot happen: values follow the offsets */
+		u64 x = src[w];
+		u32 el = el0 + w;
+		s64 *e = pool.lookup(&el);
+		if (e) /* the four big-endian u16 offsets to host order, lane by lane */
+			*e = (s64)(((x & 0x00FF00FF00FF00FFULL) << 8) | ((x >> 8) & 0x00FF00FF00FF00FFULL));
+	}
 }
 
 /* After every check that can reject the packet has passed: agree on the worker's total and the
@@ -273,8 +287,15 @@ static __always_inline int merge_sparse(struct dosa_hdr *h, void *data_end, u32 
 			break;
 		if ((void *)(&offs[i] + 1) > data_end || (void *)(&vals[i] + 1) > data_end)
 			break; /* cannot happen: the length was checked against count */
-		add_value(&mc, (u32)(first + dosa_ntohs(offs[i])), vals[i]);
+		u32 slot = (u32)(first + dosa_ntohs(offs[i]));
+		s64 *v = pool.lookup(&slot);
+		if (v)
+			__sync_fetch_and_add(v, (s64)(s32)dosa_ntohl(vals[i]));
 	}
+	if (base == mc.lo)
+		list_offsets(&mc, h, data_end);
+	else
+		list_overflow(&mc);
 	return finish(h, job_id, &mc, cnt);
 }
 
@@ -303,8 +324,12 @@ static __always_inline int merge_dense(struct dosa_hdr *h, void *data_end, u32 j
 			break;
 		if ((void *)(&vals[i] + 1) > data_end)
 			break; /* cannot happen: the length was checked against count */
-		add_value(&mc, (u32)(first + i), vals[i]);
+		u32 slot = (u32)(first + i);
+		s64 *v = pool.lookup(&slot);
+		if (v)
+			__sync_fetch_and_add(v, (s64)(s32)dosa_ntohl(vals[i]));
 	}
+	list_overflow(&mc);
 	return finish(h, job_id, &mc, cnt);
 }
 

@@ -30,7 +30,7 @@ from .membership import Membership, new_session
 from .rto import RttEstimator
 from .quantize import choose_scale_exp, clip_bound, dequantize
 from .round import MissingWorkersError, Round
-from .stream import SparseStream
+from .stream import FedRound, SparseStream
 
 #: the client's public names; MissingWorkersError (host_lib.round's) is what a failed round raises
 __all__ = ["AggregationClient", "AllreduceHandle", "MissingWorkersError", "join_via_control",
@@ -255,6 +255,11 @@ class AggregationClient:
         out = Round(self, batch, int(scale_exp)).run()
         self.round += 1
         return out
+
+    def open_fed_round(self, scale_exp: int):
+        """Start a round fed in ascending partition ranges by this thread (host_lib.stream.FedRound:
+        ``feed(indices, values, upto)`` sends a range at once, ``finish()`` returns the result)."""
+        return FedRound(self, int(scale_exp))
 
     def open_stream(self, scale_exp: int):
         """Start a round whose partitions are handed over in ascending ranges while it runs

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from host_lib.compress import FAST_MIN_NUMEL, METHODS, FastStats, sample_size, select_topk, target_k
-from host_lib._select import missing_from_sorted, quantize_to_residual
+from host_lib.compress import (FAST_MIN_NUMEL, METHODS, FastStats, sample_size, sampled_threshold,
+                               select_topk, target_k)
+from host_lib._select import add_select_abs_ge, missing_from_sorted, quantize_to_residual, select_abs_ge
 from host_lib.quantize import _check_scale, clip_bound, dequantize, quantize
 
 BACKENDS = ("auto", "numpy", "torch")
@@ -167,6 +168,61 @@ class RoundEncoder:
         if not nz.all():
             idx, q = idx[nz], q[nz]
         return EncodedRound(idx, q, s)
+
+    def encode_ranges(self, grad, scale_exp: int, bounds):
+        """:meth:`encode` cut into index ranges selected one at a time: a generator of
+        ``(lo, hi, EncodedRound)`` (indices absolute) for ``bounds`` = ascending, adjacent
+        ``(lo, hi)`` covering the gradient. A caller sends range i while range i + 1 is still to be
+        selected (host_lib.stream.FedRound), so the network and the DPU work on the first ranges
+        while this host encodes the next.
+
+        One threshold for the whole gradient, from one sample as ``encode`` takes it, so the
+        selection is the same "every |g + r| at or above t" that one pass makes. What this gives up
+        is ``encode``'s guard: a count outside k (1 +- 20%) is not trimmed or re-selected (ranges
+        already sent cannot be taken back); the sample keeps it within a few % of k unless the
+        gradient's distribution defeats it, and ``stats.candidates`` reports the count. Where the
+        fast CPU pass does not apply (exact method, another device, momentum, a small or
+        degenerate gradient) the whole gradient is encoded first and sliced."""
+        s = _check_scale(scale_exp)
+        bounds = [(int(lo), int(hi)) for lo, hi in bounds]
+        if bounds and (bounds[0][0] != 0 or bounds[-1][1] != self.numel or
+                       any(b[0] != a[1] or b[1] < b[0] for a, b in zip(bounds, bounds[1:]))):
+            raise ValueError(f"bounds must be adjacent ranges covering [0, {self.numel})")
+        k = target_k(self.numel, self.density)
+        g = self._as_tensor(grad)
+        if self.backend != "numpy" or self.method != "fast" or self.u is not None or \
+                self.numel < FAST_MIN_NUMEL or not 0 < k < self.numel or g.dtype != torch.float32:
+            whole = self.encode(g, s)
+            for lo, hi in bounds:
+                a, b = np.searchsorted(whole.indices, [lo, hi])
+                yield lo, hi, EncodedRound(whole.indices[a:b], whole.values[a:b], s)
+            return
+        gn, rn = g.numpy(), self.r.numpy()
+        t = sampled_threshold(gn, k, rng=self.rng, residual=rn)
+        clip = float(clip_bound(self.workers))
+        self.stats.threshold, self.stats.passes, self.stats.trimmed = t, 1, False
+        self.stats.candidates = 0
+        for lo, hi in bounds:
+            cap = int((hi - lo) * self.density * 1.5) + 4096
+            idx, val = np.empty(cap, np.uint32), np.empty(cap, np.float32)
+            c, bad, first = add_select_abs_ge(rn[lo:hi], gn[lo:hi], t, idx, val)
+            if bad:  # (ranges before this one may be on their way: a NaN stops the round there)
+                raise ValueError(f"gradient has {bad} non-finite (NaN/Inf) entries, the first at "
+                                 f"index {lo + first}")
+            if c > cap:  # more hits than room: r holds g + r now, collect them all from it
+                idx, val = np.empty(c, np.uint32), np.empty(c, np.float32)
+                c, _, _ = select_abs_ge(rn[lo:hi], t, idx, val)
+            idx, val = idx[:c], val[:c]
+            self.stats.candidates += c
+            io, qo = np.empty(c, np.uint32), np.empty(c, np.int32)
+            m = quantize_to_residual(idx, val, s, clip, rn[lo:hi], io, qo)
+            if m >= 0:
+                yield lo, hi, EncodedRound(io[:m] + np.uint32(lo), qo[:m], s)
+                continue
+            q, rem = quantize(val, s, self.workers)  # a clip: the general rule
+            rn[lo:hi][idx] = rem
+            nz = q != 0
+            yield lo, hi, EncodedRound(idx[nz] + np.uint32(lo), q[nz], s)
 
     def unapplied(self, sent: EncodedRound, result_indices) -> tuple[np.ndarray, np.ndarray]:
         """The part of ``sent`` whose indices are not in ``result_indices`` (what gtopk dropped):

@@ -57,17 +57,23 @@ class Round:
     runs its send / receive / intake loop; this class runs what is rare (STATUS answers,
     retransmission timers, failures) on the engine's state arrays."""
 
-    def __init__(self, client: AggregationClient, batch: PacketBatch, scale_exp: int,
-                 released: int | None = None):
+    def __init__(self, client: AggregationClient, batch: PacketBatch | None, scale_exp: int):
+        """``batch``: every partition's data packets, or None for a round fed in ascending
+        partition ranges (``_append``: host_lib.stream)."""
         self.c = client
         self.scale_exp = scale_exp
         P = client.pmap.num_partitions
         self.P = P
         self.owner = client._owner
         eng = self.eng = client._round_engine()
-        self.batch = batch
-        self._load(batch)
-        eng.begin(client.round, int(scale_exp), P if released is None else released)
+        eng.begin(client.round, int(scale_exp), 0)
+        # the round's data packets, in partition order, in buffers grown as ranges come in
+        self._n = 0
+        self._rows = PacketBatch.empty(0)
+        self.batch = PacketBatch.empty(0)
+        self.pk_start = np.zeros(P + 1, np.int64)
+        if batch is not None:
+            self._append(batch, P)
         # the engine's state (shared arrays: it writes them inside its calls, this class reads them
         # and sets last_tx when it retransmits)
         self.sent = eng.sent.view(bool)
@@ -88,12 +94,33 @@ class Round:
     def released(self) -> int:
         return self.eng.released
 
-    def _load(self, batch: PacketBatch) -> None:
-        """Hand the round's data packets (sorted by partition) to the engine."""
-        part = batch.data.view(HEADER_DTYPE)[:, 0]["partition"].astype(np.int64) if len(batch) \
+    def _append(self, b: PacketBatch, upto: int) -> None:
+        """Add the data packets of partitions [released, upto) (``b``, in partition order) and let
+        the engine send them. The packets are copied once into buffers that grow by doubling, so a
+        round fed range by range costs no more copying than one built at once."""
+        lo = self.eng.released
+        if not lo <= upto <= self.P:
+            raise ValueError(f"partitions must be added in order: {lo} are in, asked up to {upto}")
+        n0, n1 = self._n, self._n + len(b)
+        rows = self._rows
+        if len(b) and (n1 > len(rows) or b.stride != rows.stride):
+            if n0 and b.stride != rows.stride:
+                raise ValueError("every packet of a round has the job's MTU: one slot size")
+            grown = PacketBatch.empty(max(n1, 2 * len(rows), 64), b.stride)
+            if n0:
+                grown.data[:n0], grown.lengths[:n0], grown.dest[:n0] = \
+                    rows.data[:n0], rows.lengths[:n0], rows.dest[:n0]
+            rows = self._rows = grown
+        if len(b):
+            rows.data[n0:n1], rows.lengths[n0:n1], rows.dest[n0:n1] = b.data, b.lengths, b.dest
+        part = b.data.view(HEADER_DTYPE)[:, 0]["partition"].astype(np.int64) if len(b) \
             else np.zeros(0, np.int64)
-        self.pk_start = np.searchsorted(part, np.arange(self.P + 1))
-        self.eng.load(batch.data, batch.lengths, batch.dest, self.pk_start)
+        self.pk_start[lo:upto + 1] = n0 + np.searchsorted(part, np.arange(lo, upto + 1))
+        self.pk_start[upto + 1:] = n1
+        self._n = n1
+        self.batch = PacketBatch(rows.data[:n1], rows.lengths[:n1], rows.dest[:n1])
+        self.eng.load(self.batch.data, self.batch.lengths, self.batch.dest, self.pk_start)
+        self.eng.release(upto)
 
     def run(self) -> tuple[np.ndarray, np.ndarray]:
         c = self.c

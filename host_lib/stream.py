@@ -35,11 +35,59 @@ from . import _engine
 from .round import MAX_SLEEP_S, MIN_SLEEP_S, STALL_CHECK_S, Round
 
 
+def _range_packets(rnd: Round, indices, values, lo: int, upto: int) -> PacketBatch:
+    """This host's data packets of partitions [lo, upto) of round ``rnd``."""
+    c = rnd.c
+    t0 = time.thread_time()
+    try:
+        b = packetize(indices, values, c.pmap, job_id=c.job.job_id, worker_id=c.worker_id,
+                      round=c.round, scale_exp=rnd.scale_exp, partitions=np.arange(lo, upto),
+                      mtu=c.job.mtu)
+    except ValueError as e:
+        raise DosaError(f"cannot packetize round {c.round}: {e}") from None
+    c._phase("packetize", t0)
+    return b
+
+
+class FedRound(Round):
+    """One round fed in ascending partition ranges by the caller's own thread, with no thread of
+    its own: ``feed`` sends a range at once and takes in whatever results have come back, and
+    ``finish`` waits for the rest like a blocking round. A caller that encodes its gradient range by
+    range overlaps the encoding of range i + 1 with the network and the DPU working on range i
+    (host_lib.client.AggregationClient.open_fed_round). SparseStream is the same with a background
+    thread, for DDP's hook, whose caller is backward."""
+
+    def __init__(self, client, scale_exp: int):
+        super().__init__(client, None, int(scale_exp))
+
+    def feed(self, indices, values, upto: int) -> None:
+        """Add partitions ``[released, upto)`` with this host's entries in them (sorted unique u32
+        indices inside those partitions; int32 values), send them, take what has arrived."""
+        released = self.eng.released
+        if not released <= upto <= self.P:
+            raise DosaError(f"round: partitions must be fed in order; {released} are in, asked up "
+                            f"to {upto} of {self.P}")
+        if upto == released:
+            if len(indices):
+                raise DosaError("round: entries given for partitions already fed")
+            return
+        self._append(_range_packets(self, indices, values, released, upto), upto)
+        self._pump(0.0)
+
+    def finish(self) -> tuple[np.ndarray, np.ndarray]:
+        """Wait for every partition's result: (indices u32, sums int32), like allreduce_sparse."""
+        if self.eng.released != self.P:
+            raise DosaError(f"round: only {self.eng.released} of {self.P} partitions were fed")
+        out = self.run()
+        self.c.round += 1
+        return out
+
+
 class SparseStream(Round):
     """A round fed in ascending partition ranges (see the module docstring)."""
 
     def __init__(self, client, scale_exp: int):
-        super().__init__(client, PacketBatch.empty(0), int(scale_exp), released=0)
+        super().__init__(client, None, int(scale_exp))
         self._lock = threading.Lock()
         self._waiters: list[tuple[int, int, concurrent.futures.Future]] = []
         self._error: BaseException | None = None
@@ -63,20 +111,11 @@ class SparseStream(Round):
             if len(indices):
                 raise DosaError("stream: entries given for partitions already sent")
             return
-        try:
-            b = packetize(indices, values, self.c.pmap, job_id=self.c.job.job_id,
-                          worker_id=self.c.worker_id, round=self.c.round, scale_exp=self.scale_exp,
-                          partitions=np.arange(released, upto), mtu=self.c.job.mtu)
-        except ValueError as e:
-            raise DosaError(f"cannot packetize round {self.c.round}: {e}") from None
+        b = _range_packets(self, indices, values, released, upto)
         with self._lock:
             if self._error is not None:
                 raise DosaError(f"stream: the round already failed: {self._error}")
-            self.batch = b if not len(self.batch) else PacketBatch(
-                np.concatenate([self.batch.data, b.data]), np.concatenate([self.batch.lengths, b.lengths]),
-                np.concatenate([self.batch.dest, b.dest]))
-            self._load(self.batch)
-            self.eng.release(upto)
+            self._append(b, upto)
             self._note_gso(self.eng.fill(self.c.ep.fd))
 
     def wait_for(self, lo: int, hi: int) -> concurrent.futures.Future:

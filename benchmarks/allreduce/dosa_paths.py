@@ -202,19 +202,14 @@ E2E_CHUNKS = 1
 
 
 class _Chunks:
-    """Partition-aligned ranges of the index space, each with its own RoundEncoder (top-k of each
-    range, as the DDP hook selects per bucket; the k rule of host_lib.encoder applies per range)."""
+    """Partition-aligned ranges of the index space, encoded one at a time by one RoundEncoder
+    (``encode_ranges``: one threshold for the whole gradient, the same selection as one pass)."""
 
-    def __init__(self, c, n: int, density: float, workers: int, rank: int):
-        from host_lib.encoder import RoundEncoder
-
+    def __init__(self, c, n: int):
         P, ps, numel = c.pmap.num_partitions, c.pmap.partition_size, c.job.numel
         self.parts = np.unique(np.linspace(0, P, min(n, P) + 1).round().astype(np.int64))
         self.bounds = [(int(p0) * ps, min(int(p1) * ps, numel)) for p0, p1 in
                        zip(self.parts[:-1], self.parts[1:])]
-        self.encs = [RoundEncoder(hi - lo, density, workers, method="fast", seed=rank * 7919 + i)
-                     for i, (lo, hi) in enumerate(self.bounds)]
-        self.touched = [np.zeros(0, np.uint32) for _ in self.encs]
 
 
 def _e2e_blocking(c, enc, g, scale, mode, out, touched, phases):
@@ -240,43 +235,35 @@ def _e2e_blocking(c, enc, g, scale, mode, out, touched, phases):
     return idx, q, ridx, sums, ridx
 
 
-def _e2e_pipelined(c, ch: "_Chunks", g, scale, mode, out, phases):
-    """One round through a SparseStream: range by range, encode and hand over (its packets go out
-    at once), then take each range's result as it completes into the dense output."""
+def _e2e_pipelined(c, enc, ch: _Chunks, g, scale, mode, out, touched, phases):
+    """One round fed range by range (host_lib.stream.FedRound, this thread only): each range is
+    selected (``RoundEncoder.encode_ranges``) and its packets go out at once, so the DPU merges
+    range i while this host (and the others sharing its core) select range i + 1; then the round
+    is finished and the dense output written, as in the blocking round."""
     from dosa import _net
     from host_lib.encoder import EncodedRound
 
     th = time.thread_time()
-    stream = c.open_stream(scale)
-    futs, sent = [], []
-    for i, ((lo, hi), p1) in enumerate(zip(ch.bounds, ch.parts[1:])):
-        e = ch.encs[i].encode(g[lo:hi], scale)
-        nz = e.values != 0
-        ii = e.indices[nz].astype(np.uint32) + np.uint32(lo)
-        qq = e.values[nz]
+    rnd = c.open_fed_round(scale)
+    sent = []
+    for (lo, hi, e), p1 in zip(enc.encode_ranges(g, scale, ch.bounds), ch.parts[1:]):
         th = _tick(phases, "select+error feedback+quantize", th)
-        stream.send(ii, qq, int(p1))
-        futs.append(stream.wait_for(int(ch.parts[i]), int(p1)))
-        sent.append((ii, qq))
-        th = _tick(phases, "packetize+hand over", th)
-    rid, rs = [], []
-    for i, f in enumerate(futs):
-        ri, su = f.result()
+        rnd.feed(e.indices, e.values, int(p1))  # its packetize / send / receive CPU: the client's phases
+        sent.append(e)
         th = time.thread_time()
-        if mode == "gtopk":
-            lo = np.uint32(ch.bounds[i][0])
-            ch.encs[i].fold_back(*ch.encs[i].unapplied(
-                EncodedRound(sent[i][0] - lo, sent[i][1], scale), ri - lo), scale)
-            th = _tick(phases, "fold back", th)
-        _net.scatter_dense(out, ch.touched[i], ri, su, scale)
-        ch.touched[i] = ri
-        _tick(phases, "dense output", th)
-        rid.append(ri)
-        rs.append(su)
-    stream.finish()
-    return (np.concatenate([x[0] for x in sent]), np.concatenate([x[1] for x in sent]),
-            np.concatenate(rid), np.concatenate(rs))
-
+    ridx, sums = rnd.finish()
+    th = time.thread_time()
+    idx = np.concatenate([e.indices for e in sent])
+    q = np.concatenate([e.values for e in sent])
+    if mode == "gtopk":
+        enc.fold_back(*enc.unapplied(EncodedRound(idx, q, scale), ridx), scale)
+        th = _tick(phases, "fold back", th)
+    if touched is None:
+        out[:] = 0
+        touched = ridx[:0]
+    _net.scatter_dense(out, touched, ridx, sums, scale)
+    _tick(phases, "dense output", th)
+    return idx, q, ridx, sums, ridx
 
 
 def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path, e2e_dir: Path,
@@ -301,9 +288,9 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
 
     g = np.load(workdir / f"grad{rank}.npy")
     n_chunks = int(os.environ.get("DOSA_BENCH_E2E_CHUNKS", str(E2E_CHUNKS)))
-    chunks = None if n_chunks <= 1 else _Chunks(c, n_chunks, density, workers, rank)
-    enc = RoundEncoder(c.job.numel, density, workers, method="fast", seed=rank) if chunks is None else None
-    rec["e2e_chunks"] = 1 if chunks is None else len(chunks.encs)
+    chunks = None if n_chunks <= 1 else _Chunks(c, n_chunks)
+    enc = RoundEncoder(c.job.numel, density, workers, method="fast", seed=rank)
+    rec["e2e_chunks"] = 1 if chunks is None else len(chunks.bounds)
     out = np.zeros(c.job.numel, np.float32)
     touched = None
     times, cpu, sent_n, kept = [], [], [], []
@@ -323,14 +310,12 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
             phases.clear()
             dpu0 = _proc_cpu_s(_dpu_pids()) if rank == 0 else None
         t0, c0 = time.perf_counter(), time.process_time()
-        m0 = time.thread_time()
         if chunks is None:
             idx, q, ridx, sums, touched = _e2e_blocking(c, enc, g, scale, mode, out, touched, phases)
         else:
-            idx, q, ridx, sums = _e2e_pipelined(c, chunks, g, scale, mode, out, phases)
+            idx, q, ridx, sums, touched = _e2e_pipelined(c, enc, chunks, g, scale, mode, out, touched,
+                                                         phases)
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        if chunks is not None:  # the stream's background thread: receive, absorb, retransmit, decode
-            phases["stream thread"] = phases.get("stream thread", 0.0) + dc - (time.thread_time() - m0)
         _barrier(e2e_dir, f"end{r}", rank, workers)  # the checks below stay out of every timed round
         vals = dequantize(sums, scale)  # untimed: the check of the dense output below
         dense_ok &= bool(np.count_nonzero(out) == np.count_nonzero(vals)
