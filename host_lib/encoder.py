@@ -203,7 +203,10 @@ class RoundEncoder:
         self.stats.threshold, self.stats.passes, self.stats.trimmed = t, 1, False
         self.stats.candidates = 0
         for lo, hi in bounds:
-            cap = int((hi - lo) * self.density * 1.5) + 4096
+            # room for every hit the whole gradient is expected to have: one range may hold most of
+            # them (a layer of large gradients), and a pass that runs out of room finishes in the
+            # kernel's scalar path (pages not written are never touched)
+            cap = min(hi - lo, int(k * 1.5) + 4096)
             idx, val = np.empty(cap, np.uint32), np.empty(cap, np.float32)
             c, bad, first = add_select_abs_ge(rn[lo:hi], gn[lo:hi], t, idx, val)
             if bad:  # (ranges before this one may be on their way: a NaN stops the round there)

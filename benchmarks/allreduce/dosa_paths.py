@@ -192,12 +192,13 @@ def _barrier(folder: Path, tag: str, rank: int, workers: int) -> None:
 
 
 #: Partition ranges a host's end-to-end round is cut into (DOSA_BENCH_E2E_CHUNKS; 1 = one blocking
-#: allreduce_sparse of the whole gradient): each range is encoded and handed to the round's
-#: SparseStream at once, so its packets are on the wire while the next range is encoded, and each
-#: range's result is turned into dense output as soon as it is back. Default 1: on the testbed all
-#: hosts share one core, so there is no idle core to hide the encoding in, and the stream's thread
-#: and the encoding thread hand the GIL back and forth (measured at 2 hosts, 2M: 207 ms a round with
-#: 8 ranges, 83 ms blocking; docs/performance.md).
+#: allreduce_sparse of the whole gradient): each range is selected (RoundEncoder.encode_ranges, one
+#: threshold for the whole gradient) and fed to the round at once (FedRound, this thread only), so
+#: the DPU merges range i while the hosts select range i + 1. Default 1: on the testbed the four
+#: hosts share one core and the overlap it buys is eaten by its cost (per range: a packetize call, a
+#: reload of the engine's packet table, a non-blocking pump): measured round by round in one run
+#: (4 hosts, 25M, unshaped), 1 / 4 / 8 ranges gave 204 / 210 / 196 ms and 196 / 206 / 200 ms, host
+#: CPU 36-38 / 40-41 / 42-44 ms a round.
 E2E_CHUNKS = 1
 
 

@@ -194,3 +194,45 @@ def test_a_result_rebuilt_for_an_ask_is_the_fanned_out_one_byte_for_byte(cluster
                    for k in range(len(rebuilt))), (lp, rnd)
         checked += 1
     assert checked == rt.pmap.num_partitions
+
+
+@pytest.mark.timeout(60)
+def test_a_round_fed_range_by_range_is_exact_and_refuses_ranges_out_of_order(cluster):
+    """host_lib.stream.FedRound: each host feeds its entries in three partition ranges (the first
+    empty, the others not at partition boundaries of the data), from its own thread; the result is
+    the same exact sum a blocking round gives, and a following blocking round still works."""
+    from dosa.errors import DosaError
+
+    job, cs = cluster(workers=3, dpus=2)
+    P = job.pmap.num_partitions
+    rng = np.random.default_rng(9)
+    ins = []
+    for _w in range(3):
+        idx = np.sort(rng.choice(job.numel, 2000, replace=False)).astype(np.uint32)
+        ins.append((idx, rng.integers(-10**6, 10**6, 2000).astype(np.int32)))
+    total = np.zeros(job.numel, np.int64)
+    for idx, q in ins:
+        np.add.at(total, idx.astype(np.int64), q)
+    cuts = [0, 1, P // 2, P]
+
+    def fed(i, c):
+        rnd = c.open_fed_round(8)
+        idx, q = ins[i]
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            a, b = np.searchsorted(idx, [lo * job.partition_size, hi * job.partition_size])
+            rnd.feed(idx[a:b], q[a:b], hi)
+        return rnd.finish()
+
+    out, errs = run_all(cs, fed)
+    assert errs == [None] * 3
+    nz = np.flatnonzero(total)
+    for ridx, sums in out:
+        assert np.array_equal(ridx.astype(np.int64), nz) and np.array_equal(sums.astype(np.int64), total[nz])
+    out, errs = run_all(cs, lambda i, c: c.allreduce_sparse(*ins[i], 8))  # the next round, blocking
+    assert errs == [None] * 3 and all(np.array_equal(o[0].astype(np.int64), nz) for o in out)
+    rnd = cs[0].open_fed_round(8)
+    with pytest.raises(DosaError, match="only 0 of"):
+        rnd.finish()
+    rnd.feed(np.zeros(0, np.uint32), np.zeros(0, np.int32), 2)
+    with pytest.raises(DosaError, match="in order"):
+        rnd.feed(np.zeros(0, np.uint32), np.zeros(0, np.int32), 1)

@@ -144,3 +144,39 @@ def test_unapplied_merge_equals_isin_whatever_the_order(seed):
     assert np.array_equal(np.sort(ri), idx[want]) and sorted(rq.tolist()) == sorted(q[want].tolist())
     ei, eq = enc.unapplied(EncodedRound(idx, q, 8), np.zeros(0, np.uint32))  # nothing applied
     assert np.array_equal(ei, idx) and np.array_equal(eq, q)
+
+
+@pytest.mark.parametrize("n_ranges", [1, 3, 7])
+def test_encoding_range_by_range_selects_and_quantizes_as_one_pass_does(n_ranges):
+    """RoundEncoder.encode_ranges: one threshold for the whole gradient (the same sample encode
+    draws), so over rounds of error feedback the entries, values and residual are bit for bit those
+    of encode(); bounds must tile the gradient."""
+    rng = np.random.default_rng(4)
+    n = 300_000
+    g = (rng.standard_t(3, n) * np.repeat(10.0 ** rng.uniform(-4, -1, 30), n // 30)).astype(np.float32)
+    a, b = RoundEncoder(n, 0.01, 4, seed=7), RoundEncoder(n, 0.01, 4, seed=7)
+    cuts = np.unique(np.linspace(0, n, n_ranges + 1).astype(int))
+    bounds = list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
+    for _ in range(4):
+        whole = a.encode(g, 20)
+        parts = list(b.encode_ranges(g, 20, bounds))
+        assert [(lo, hi) for lo, hi, _ in parts] == bounds
+        for lo, hi, e in parts:
+            assert e.scale_exp == 20 and (len(e.indices) == 0 or (e.indices.min() >= lo and e.indices.max() < hi))
+        assert np.array_equal(np.concatenate([e.indices for _, _, e in parts]), whole.indices)
+        assert np.array_equal(np.concatenate([e.values for _, _, e in parts]), whole.values)
+        assert np.array_equal(a.residual, b.residual)
+    with pytest.raises(ValueError, match="covering"):
+        list(b.encode_ranges(g, 20, [(0, 10), (11, n)]))
+
+
+def test_encoding_ranges_falls_back_to_one_encode_where_the_fast_pass_does_not_apply():
+    rng = np.random.default_rng(5)
+    n = 100_000
+    g = rng.standard_normal(n).astype(np.float32)
+    for kw in ({"method": "exact"}, {"momentum": 0.9}):
+        a, b = RoundEncoder(n, 0.02, 2, seed=1, **kw), RoundEncoder(n, 0.02, 2, seed=1, **kw)
+        whole = a.encode(g, 12)
+        parts = list(b.encode_ranges(g, 12, [(0, 40_000), (40_000, n)]))
+        assert np.array_equal(np.concatenate([e.indices for _, _, e in parts]), whole.indices)
+        assert np.array_equal(a.residual, b.residual)
