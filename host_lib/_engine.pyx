@@ -167,6 +167,14 @@ cdef class RoundEngine:
     cdef iovec* iov
     cdef sockaddr_in* addrs
 
+    # the round's dense output, written partition by partition as they complete (dense_output)
+    cdef object dense_obj, dclear_obj, dstart_obj
+    cdef float[::1] dense_v
+    cdef const uint32_t[::1] dclear_v
+    cdef int64_t[::1] dstart_v
+    cdef bint has_dense
+    cdef double dscale
+
     # STATUS packets for host_lib.round
     cdef readonly object side_data, side_len
     cdef uint8_t[:, ::1] side_v
@@ -253,6 +261,8 @@ cdef class RoundEngine:
         self.round = round
         self.scale_exp = scale_exp
         self.released = min(max(released, 0), self.P)
+        self.has_dense = False
+        self.dense_obj = self.dclear_obj = self.dstart_obj = None
         self.next = self.inflight = self.n_done = self.n_completed = self.n_side = 0
         self.a_used = 0
         self.sent[:] = 0
@@ -263,6 +273,45 @@ cdef class RoundEngine:
         self.last_tx[:] = 0
         self.done_at[:] = 0
         self.last_progress = now()
+
+    def dense_output(self, out, clear):
+        """Write every partition's result into ``out`` (float32, numel entries) the moment the
+        partition completes: first ``out[i] = 0`` for the indices of ``clear`` inside it (ascending:
+        what the previous round wrote there), then ``out[index] = sum * 2^-scale_exp`` for its
+        entries (the float64 product rounded to float32, as host_lib.quantize.dequantize). So the
+        dense output is written while the round still waits for other partitions, not after the
+        last one; the entries were checked inside their partition when they came in. For this
+        round only: call after ``begin``, before the first ``pump``."""
+        out = np.asarray(out)
+        if out.dtype != np.float32 or out.ndim != 1 or len(out) != self.numel or \
+                not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError(f"dense_output: out must be a writable contiguous float32 array of "
+                             f"{self.numel} entries")
+        clear = np.ascontiguousarray(clear, np.uint32)
+        if len(clear) and (int(clear.max()) >= self.numel or np.any(np.diff(clear.astype(np.int64)) <= 0)):
+            raise ValueError("dense_output: clear must be ascending unique indices below numel")
+        if self.n_done:
+            raise ValueError("dense_output: partitions of this round are in already")
+        bounds = np.minimum(np.arange(self.P + 1, dtype=np.int64) * self.partition_size, self.numel)
+        self.dense_obj, self.dclear_obj = out, clear
+        self.dstart_obj = np.searchsorted(clear, bounds).astype(np.int64)
+        self.dense_v = out
+        self.dclear_v = clear if len(clear) else np.zeros(1, np.uint32)
+        self.dstart_v = self.dstart_obj
+        self.dscale = 2.0 ** -self.scale_exp
+        self.has_dense = True
+
+    cdef void _write_dense(self, uint32_t part) noexcept nogil:
+        """Partition ``part``'s result into the dense output (dense_output)."""
+        cdef Py_ssize_t i, s, j, at, c
+        cdef double f = self.dscale
+        for i in range(self.dstart_v[part], self.dstart_v[part + 1]):
+            self.dense_v[self.dclear_v[i]] = 0
+        for s in range(self.res_total_v[part]):
+            at = self.pos[part * MAXPK + s]
+            c = self.cnt[part * MAXPK + s]
+            for j in range(c):
+                self.dense_v[self.a_idx[at + j]] = <float>(<double>self.a_val[at + j] * f)
 
     def load(self, data, lengths, dest, pk_start):
         """The round's data packets: packet i is ``data[i, :lengths[i]]`` to DPU ``dest[i]``;
@@ -504,6 +553,8 @@ cdef class RoundEngine:
                 self.inflight -= 1
             self.completed_v[self.n_completed] = part
             self.n_completed += 1
+            if self.has_dense:
+                self._write_dense(part)
 
     cdef int _grow(self, Py_ssize_t need) noexcept nogil:
         cdef Py_ssize_t cap = self.a_cap * 2 if self.a_cap else 1 << 16

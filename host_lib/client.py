@@ -213,13 +213,11 @@ class AggregationClient:
                                          seed=self.worker_id)
         s = self.scale_exp
         sent = self._encoder.encode(x, s)
-        ridx, sums = self.allreduce_sparse(sent.indices, sent.values, s)
+        out = np.zeros(self.job.numel, np.float32)
+        ridx, sums = self.allreduce_sparse(sent.indices, sent.values, s, dense_out=out)
         if self.job.mode == "gtopk":
             self._encoder.fold_back(*self._encoder.unapplied(sent, ridx), s)
-        out = np.zeros(self.job.numel, np.float32)
-        vals = dequantize(sums, s)
-        out[ridx] = vals
-        m = float(np.abs(vals).max()) if len(vals) else 0.0
+        m = float(np.abs(dequantize(sums, s)).max()) if len(sums) else 0.0
         if m > 0:
             self.scale_exp = choose_scale_exp(m, self.job.workers)
         return out
@@ -230,12 +228,18 @@ class AggregationClient:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dosa-allreduce")
         return AllreduceHandle(self._pool.submit(self.allreduce, np.array(array, np.float32)))
 
-    def allreduce_sparse(self, indices, values, scale_exp: int) -> tuple[np.ndarray, np.ndarray]:
+    def allreduce_sparse(self, indices, values, scale_exp: int, *, dense_out=None,
+                         dense_clear=None) -> tuple[np.ndarray, np.ndarray]:
         """One round with entries the caller compressed and quantized itself.
 
         Args:
             indices: sorted unique u32 positions; values: int32 (respecting clip_bound(workers)).
             scale_exp: the round's exponent, identical on every host.
+            dense_out: optional float32 array of numel entries that also gets the result,
+                ``sum * 2^-scale_exp`` at every result index, written partition by partition as
+                each comes in (while the round waits for the others), after zeroing there the
+                indices ``dense_clear`` (ascending unique: what the previous round wrote into it;
+                None: nothing to clear). Entries elsewhere are left as they are.
         Returns:
             (indices u32 sorted, sums int32): the non-zero sums (sum mode) or the k largest |sum|
             per partition (gtopk mode).
@@ -252,14 +256,15 @@ class AggregationClient:
         except ValueError as e:
             raise DosaError(f"cannot packetize round {self.round}: {e}") from None
         self._phase("packetize", t0)
-        out = Round(self, batch, int(scale_exp)).run()
+        out = Round(self, batch, int(scale_exp), dense_out, dense_clear).run()
         self.round += 1
         return out
 
-    def open_fed_round(self, scale_exp: int):
+    def open_fed_round(self, scale_exp: int, *, dense_out=None, dense_clear=None):
         """Start a round fed in ascending partition ranges by this thread (host_lib.stream.FedRound:
-        ``feed(indices, values, upto)`` sends a range at once, ``finish()`` returns the result)."""
-        return FedRound(self, int(scale_exp))
+        ``feed(indices, values, upto)`` sends a range at once, ``finish()`` returns the result);
+        ``dense_out``/``dense_clear`` as for allreduce_sparse."""
+        return FedRound(self, int(scale_exp), dense_out, dense_clear)
 
     def open_stream(self, scale_exp: int):
         """Start a round whose partitions are handed over in ascending ranges while it runs

@@ -57,9 +57,12 @@ class Round:
     runs its send / receive / intake loop; this class runs what is rare (STATUS answers,
     retransmission timers, failures) on the engine's state arrays."""
 
-    def __init__(self, client: AggregationClient, batch: PacketBatch | None, scale_exp: int):
+    def __init__(self, client: AggregationClient, batch: PacketBatch | None, scale_exp: int,
+                 dense_out=None, dense_clear=None):
         """``batch``: every partition's data packets, or None for a round fed in ascending
-        partition ranges (``_append``: host_lib.stream)."""
+        partition ranges (``_append``: host_lib.stream). ``dense_out``: also write the result
+        into this float32 array, partition by partition as they come in, after zeroing there the
+        indices ``dense_clear`` (ascending; what the previous round wrote)."""
         self.c = client
         self.scale_exp = scale_exp
         P = client.pmap.num_partitions
@@ -67,6 +70,8 @@ class Round:
         self.owner = client._owner
         eng = self.eng = client._round_engine()
         eng.begin(client.round, int(scale_exp), 0)
+        if dense_out is not None:
+            eng.dense_output(dense_out, np.zeros(0, np.uint32) if dense_clear is None else dense_clear)
         # the round's data packets, in partition order, in buffers grown as ranges come in
         self._n = 0
         self._rows = PacketBatch.empty(0)

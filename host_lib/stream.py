@@ -57,8 +57,8 @@ class FedRound(Round):
     (host_lib.client.AggregationClient.open_fed_round). SparseStream is the same with a background
     thread, for DDP's hook, whose caller is backward."""
 
-    def __init__(self, client, scale_exp: int):
-        super().__init__(client, None, int(scale_exp))
+    def __init__(self, client, scale_exp: int, dense_out=None, dense_clear=None):
+        super().__init__(client, None, int(scale_exp), dense_out, dense_clear)
 
     def feed(self, indices, values, upto: int) -> None:
         """Add partitions ``[released, upto)`` with this host's entries in them (sorted unique u32

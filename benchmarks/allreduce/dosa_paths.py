@@ -214,38 +214,38 @@ class _Chunks:
 
 
 def _e2e_blocking(c, enc, g, scale, mode, out, touched, phases):
-    """One round, not pipelined: encode everything, allreduce_sparse, dense output."""
-    from dosa import _net
-
+    """One round, not pipelined: encode everything, then allreduce_sparse, which writes the dense
+    output as the results come in."""
     th = time.thread_time()
     e = enc.encode(g, scale)
     nz = e.values != 0  # a zero after quantization is not sent (its remainder is in the residual)
     idx, q = e.indices[nz], e.values[nz]
     th = _tick(phases, "select+error feedback+quantize", th)
-    ridx, sums = c.allreduce_sparse(idx, q, scale)
+    if touched is None:
+        out[:] = 0
+        touched = np.zeros(0, np.uint32)
+    # the dense output (out[touched] = 0, out[ridx] = sum * 2^-s) is written by the round's engine
+    # partition by partition as results come in (its CPU is in the absorb phase)
+    ridx, sums = c.allreduce_sparse(idx, q, scale, dense_out=out, dense_clear=touched)
     th = time.thread_time()
     if mode == "gtopk":
         enc.fold_back(*enc.unapplied(type(e)(idx, q, scale), ridx), scale)
         th = _tick(phases, "fold back", th)
-    if touched is None:
-        out[:] = 0
-        touched = ridx[:0]
-    # out[touched] = 0; out[ridx] = dequantize(sums) in one Cython pass
-    _net.scatter_dense(out, touched, ridx, sums, scale)
-    _tick(phases, "dense output", th)
     return idx, q, ridx, sums, ridx
 
 
 def _e2e_pipelined(c, enc, ch: _Chunks, g, scale, mode, out, touched, phases):
     """One round fed range by range (host_lib.stream.FedRound, this thread only): each range is
     selected (``RoundEncoder.encode_ranges``) and its packets go out at once, so the DPU merges
-    range i while this host (and the others sharing its core) select range i + 1; then the round
-    is finished and the dense output written, as in the blocking round."""
-    from dosa import _net
+    range i while this host (and the others sharing its core) select range i + 1; the dense output
+    is written as the results come in, as in the blocking round."""
     from host_lib.encoder import EncodedRound
 
     th = time.thread_time()
-    rnd = c.open_fed_round(scale)
+    if touched is None:
+        out[:] = 0
+        touched = np.zeros(0, np.uint32)
+    rnd = c.open_fed_round(scale, dense_out=out, dense_clear=touched)  # written as results come in
     sent = []
     for (lo, hi, e), p1 in zip(enc.encode_ranges(g, scale, ch.bounds), ch.parts[1:]):
         th = _tick(phases, "select+error feedback+quantize", th)
@@ -259,11 +259,6 @@ def _e2e_pipelined(c, enc, ch: _Chunks, g, scale, mode, out, touched, phases):
     if mode == "gtopk":
         enc.fold_back(*enc.unapplied(EncodedRound(idx, q, scale), ridx), scale)
         th = _tick(phases, "fold back", th)
-    if touched is None:
-        out[:] = 0
-        touched = ridx[:0]
-    _net.scatter_dense(out, touched, ridx, sums, scale)
-    _tick(phases, "dense output", th)
     return idx, q, ridx, sums, ridx
 
 
@@ -283,7 +278,6 @@ def _end_to_end(c, mode: str, rank: int, workers: int, scale: int, workdir: Path
     also checks its dense output against its sparse result."""
     import hashlib
 
-    from dosa import _net
     from host_lib.encoder import RoundEncoder
     from host_lib.quantize import dequantize
 

@@ -82,28 +82,3 @@ def test_send_batch_validates_rows_and_destinations():
             _net.send_batch(ep.fd, b.data, b.lengths, np.array([0, 1], np.int64), ip, port, 1.0)
     finally:
         ep.close()
-
-
-@pytest.mark.parametrize("order", ["ascending", "shuffled"])  # the merge path, the two-pass path
-@pytest.mark.parametrize("scale", [-32, 0, 13, 62])
-def test_scatter_dense_clears_the_previous_round_and_dequantizes_like_numpy(order, scale):
-    from host_lib.quantize import dequantize
-
-    rng = np.random.default_rng(5)
-    n = 100_000
-    prev = np.sort(rng.choice(n, 3000, replace=False)).astype(np.uint32)
-    # half of this round's indices are last round's too (as consecutive top-k rounds overlap)
-    idx = np.unique(np.concatenate([prev[::2], rng.choice(n, 1500, replace=False)])).astype(np.uint32)
-    q = rng.integers(-2**31 + 1, 2**31 - 1, len(idx)).astype(np.int32)
-    q[:5] = [0, 1, -1, 2**31 - 1, -2**31 + 1]
-    if order == "shuffled":
-        p1, p2 = rng.permutation(len(prev)), rng.permutation(len(idx))
-        prev, idx, q = prev[p1], idx[p2], q[p2]
-    out = np.zeros(n, np.float32)
-    out[prev] = 7.0
-    _net.scatter_dense(out, prev, idx, q, scale)
-    ref = np.zeros(n, np.float32)
-    ref[idx] = dequantize(q, scale)
-    assert np.array_equal(out, ref)
-    with pytest.raises(IndexError):
-        _net.scatter_dense(out, prev[:0], np.array([n], np.uint32), np.array([1], np.int32), 0)

@@ -197,3 +197,37 @@ def test_result_of_an_incomplete_partition_is_refused():
         eng.result(0, 1)
     with pytest.raises(ValueError, match="outside"):
         eng.result(1, 3)
+
+
+def test_the_dense_output_is_written_partition_by_partition_as_each_completes():
+    """dense_output: a partition's result lands in ``out`` when its last packet comes in (the
+    previous round's indices there zeroed first, everything else untouched), dequantized as
+    host_lib.quantize.dequantize does."""
+    from host_lib.quantize import dequantize
+
+    pmap = PartitionMap(NUMEL, PS, 1)
+    rng = np.random.default_rng(8)
+    idx = np.unique(rng.integers(0, pmap.numel, 30_000)).astype(np.uint32)
+    val = rng.integers(-2**30, 2**30, len(idx)).astype(np.int32)
+    val[val == 0] = 1
+    b = packetize_results(idx, val, pmap, job_id=JOB, round=ROUND, scale_exp=SCALE, mtu=1500)
+    prev = np.unique(rng.integers(0, pmap.numel, 20_000)).astype(np.uint32)
+    out = np.full(pmap.numel, 7.0, np.float32)
+    out[prev] = 3.0
+    eng = _engine_for(pmap.num_partitions)
+    eng.dense_output(out, prev)
+    part = b.headers()["partition"].astype(np.int64)
+    first = np.flatnonzero(part == 0)
+    eng.intake(b.data[first], b.lengths[first], len(first))  # partition 0 only
+    lo1 = PS
+    assert (out[lo1:][np.isin(np.arange(lo1, pmap.numel), prev)] == 3.0).all()  # not yet written
+    rest = np.flatnonzero(part != 0)
+    eng.intake(np.ascontiguousarray(b.data[rest]), b.lengths[rest], len(rest))
+    want = np.full(pmap.numel, 7.0, np.float32)
+    want[prev] = 0.0
+    want[idx] = dequantize(val, SCALE)
+    assert eng.complete and np.array_equal(out, want)
+    with pytest.raises(ValueError, match="ascending"):
+        _engine_for(2).dense_output(np.zeros(NUMEL, np.float32), prev[::-1].copy())
+    with pytest.raises(ValueError, match="float32"):
+        _engine_for(2).dense_output(np.zeros(NUMEL, np.float64), prev)
