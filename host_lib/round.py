@@ -108,7 +108,9 @@ class Round:
             raise ValueError(f"partitions must be added in order: {lo} are in, asked up to {upto}")
         n0, n1 = self._n, self._n + len(b)
         rows = self._rows
-        if len(b) and (n1 > len(rows) or b.stride != rows.stride):
+        if n0 == 0 and upto == self.P:  # the whole round at once (a blocking round): adopt it
+            rows = self._rows = b
+        elif len(b) and (n1 > len(rows) or b.stride != rows.stride):
             if n0 and b.stride != rows.stride:
                 raise ValueError("every packet of a round has the job's MTU: one slot size")
             grown = PacketBatch.empty(max(n1, 2 * len(rows), 64), b.stride)
@@ -116,7 +118,7 @@ class Round:
                 grown.data[:n0], grown.lengths[:n0], grown.dest[:n0] = \
                     rows.data[:n0], rows.lengths[:n0], rows.dest[:n0]
             rows = self._rows = grown
-        if len(b):
+        if len(b) and rows is not b:
             rows.data[n0:n1], rows.lengths[n0:n1], rows.dest[n0:n1] = b.data, b.lengths, b.dest
         part = b.data.view(HEADER_DTYPE)[:, 0]["partition"].astype(np.int64) if len(b) \
             else np.zeros(0, np.int64)

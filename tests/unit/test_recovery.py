@@ -59,11 +59,11 @@ def test_a_lost_data_packet_is_nacked_by_the_dpu_and_the_sum_stays_exact(monkeyp
     # a long RTO: only the DPU's NACK can recover the lost packet quickly; the test asserts that it
     # was the NACK (a counter), never a time
     cs = [AggregationClient(job, worker_id=i, timeout=30.0, retx_interval=5.0) for i in range(2)]
-    orig = round_mod.Round._load
+    orig = round_mod.Round._append
     dropped = []
 
-    def lossy(self, batch):  # host 1 loses the first packet of partition 0, once
-        orig(self, batch)
+    def lossy(self, batch, upto):  # host 1 loses the first packet of partition 0, once
+        orig(self, batch, upto)
         if self.c.worker_id == 1 and not dropped and len(batch):
             hdr = batch.headers()
             first = np.flatnonzero(hdr["partition"] == 0)
@@ -71,7 +71,7 @@ def test_a_lost_data_packet_is_nacked_by_the_dpu_and_the_sum_stays_exact(monkeyp
                 dropped.append(int(first[0]))
                 self.eng.lose_once([first[0]])
 
-    monkeypatch.setattr(round_mod.Round, "_load", lossy)
+    monkeypatch.setattr(round_mod.Round, "_append", lossy)
     rng = np.random.default_rng(1)
     ins = [(np.sort(rng.choice(job.numel, 3000, replace=False)).astype(np.uint32),
             rng.integers(-500, 500, 3000).astype(np.int32)) for _ in range(2)]
