@@ -142,6 +142,7 @@ cdef class RoundEngine:
     cdef readonly int scale_exp
     cdef readonly Py_ssize_t next, released, inflight, n_done, n_completed
     cdef readonly double last_progress
+    cdef double t_last_done  # when the last partition completed
 
     # the round's data packets
     cdef object tx_data, tx_len, tx_dest, tx_start, tx_lose
@@ -555,7 +556,8 @@ cdef class RoundEngine:
         self.res_got_v[part] += 1
         if self.res_got_v[part] >= total:
             self.done_v[part] = 1
-            self.done_at_v[part] = now()
+            self.t_last_done = now()
+            self.done_at_v[part] = self.t_last_done
             self.n_done += 1
             if self.sent_v[part]:
                 self.inflight -= 1
@@ -596,7 +598,7 @@ cdef class RoundEngine:
                 else:
                     self.stats_v[S_MALFORMED] += 1
         if self.n_completed > c0:
-            self.last_progress = now()
+            self.last_progress = self.t_last_done
         return ((F_SIDE if self.n_side > s0 else 0) | (F_COMPLETED if self.n_completed > c0 else 0)
                 | (F_DONE if self.n_done == self.P else 0))
 
@@ -697,15 +699,19 @@ cdef class RoundEngine:
             raise OSError(-rc, f"ppoll failed: {os.strerror(-rc)}")
         return rc > 0
 
-    def pump(self, int fd, int mfd, double timeout, bint return_on_completion=False):
+    def pump(self, int fd, int mfd, double timeout, bint return_on_completion=False,
+             double quiet=0.0):
         """Run the round (send, receive, intake, wait) until it is done, a STATUS arrived,
-        ``timeout`` seconds passed, or, with ``return_on_completion``, a partition completed.
-        ``mfd`` is the multicast socket (-1: none). ``timeout`` 0: one non-blocking pass.
-        Returns DONE / SIDE / COMPLETED / DEADLINE / GSO_OFF bits. ``completed[:n_completed]``
-        lists the partitions completed since the last call (reset at every call)."""
+        ``timeout`` seconds passed, or, with ``return_on_completion``, a partition completed;
+        with ``quiet`` > 0 also when partitions completed in this call and then none for
+        ``quiet`` seconds (the moment a gap in the results becomes visible: the caller's
+        retransmission timers count from the last completion). ``mfd`` is the multicast socket
+        (-1: none). ``timeout`` 0: one non-blocking pass. Returns DONE / SIDE / COMPLETED /
+        DEADLINE / GSO_OFF bits. ``completed[:n_completed]`` lists the partitions completed since
+        the last call (reset at every call)."""
         cdef int flags = 0, err = 0, w = 0
         cdef Py_ssize_t got
-        cdef double deadline = now() + timeout, t0
+        cdef double deadline = now() + timeout, t0, until
         self.n_completed = 0
         self.n_side = 0
         self._fd_send = fd
@@ -725,19 +731,22 @@ cdef class RoundEngine:
                     break
                 if self.n_completed and return_on_completion:
                     break
-                if now() >= deadline:  # also while packets keep coming: the timers are Python's
+                until = deadline
+                if quiet > 0 and self.n_completed and self.t_last_done + quiet < until:
+                    until = self.t_last_done + quiet
+                if now() >= until:  # also while packets keep coming: the timers are Python's
                     flags |= F_DEADLINE
                     break
                 if got:
                     continue
                 t0 = thread_cpu()
-                w = self._wait(fd, mfd, deadline)
+                w = self._wait(fd, mfd, until)
                 self.cpu_v[CPU_RECEIVE] += thread_cpu() - t0
                 if w < 0:
                     err = -w
                     break
         if self.n_completed:
-            self.last_progress = now()
+            self.last_progress = self.t_last_done
         if err:
             self._raise_send(err)
         if self.n_side:

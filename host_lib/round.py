@@ -135,8 +135,11 @@ class Round:
         wake = time.monotonic() + GAP_GRACE_S
         while True:
             # until the next timer can fire (the engine sends and takes results meanwhile), at most
-            # MAX_SLEEP_S: the stall and failure checks below run at least that often
-            flags = self._pump(min(max(wake - time.monotonic(), MIN_SLEEP_S), MAX_SLEEP_S))
+            # MAX_SLEEP_S: the stall and failure checks below run at least that often; and once
+            # results that were coming pause for the gap grace (a gap may show now, whose timer
+            # counts from that progress)
+            flags = self._pump(min(max(wake - time.monotonic(), MIN_SLEEP_S), MAX_SLEEP_S),
+                               quiet=min(GAP_GRACE_S, c.rtt.rto))
             t = time.thread_time()
             if flags & _engine.DONE:
                 break

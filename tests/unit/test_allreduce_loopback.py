@@ -236,3 +236,31 @@ def test_a_round_fed_range_by_range_is_exact_and_refuses_ranges_out_of_order(clu
     rnd.feed(np.zeros(0, np.uint32), np.zeros(0, np.int32), 2)
     with pytest.raises(DosaError, match="in order"):
         rnd.feed(np.zeros(0, np.uint32), np.zeros(0, np.int32), 1)
+
+
+@pytest.mark.timeout(60)
+def test_a_host_whose_path_refuses_gso_falls_back_in_the_round_engine_and_loses_nothing(cluster, caplog):
+    """The round engine sends through dosa._net's GSO loop: when the path refuses a GSO datagram
+    (the kernel answers EINVAL for a socket without UDP checksums), it sends one datagram per
+    packet from then on, says so once, and the round is exact."""
+    import logging
+    from dosa.transport import batching
+
+    if not batching()["gso"]:
+        pytest.skip("this kernel has no UDP GSO")
+    job, cs = cluster(workers=2, dpus=1)
+    cs[1].ep.sock.setsockopt(socket.SOL_SOCKET, 11, 1)  # SO_NO_CHECK
+    rng = np.random.default_rng(12)
+    ins = [(np.sort(rng.choice(job.numel, 3000, replace=False)).astype(np.uint32),
+            rng.integers(-1000, 1000, 3000).astype(np.int32)) for _ in range(2)]
+    total = np.zeros(job.numel, np.int64)
+    for idx, q in ins:
+        np.add.at(total, idx.astype(np.int64), q)
+    with caplog.at_level(logging.WARNING, logger="dosa.host"):
+        for _ in range(2):
+            out, errs = run_all(cs, lambda i, c: c.allreduce_sparse(*ins[i], 8))
+            assert errs == [None, None]
+            for ridx, sums in out:
+                assert np.array_equal(sums.astype(np.int64), total[ridx.astype(np.int64)])
+    assert cs[1].ep.gso_segs == 0 and cs[0].ep.gso_segs > 1
+    assert sum("GSO refused" in r.getMessage() for r in caplog.records) == 1
