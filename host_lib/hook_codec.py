@@ -6,8 +6,6 @@ docs/protocol.md: ``value = clip(round(x * 2^s), -C, C)`` with ``C = floor((2^31
 """
 from __future__ import annotations
 
-import numpy as np
-
 from dosa import wire
 from dosa.job import DEFAULT_SCALE_EXP as DEFAULT_JOB_SCALE_EXP
 from host_lib import quantize

@@ -180,3 +180,24 @@ def test_encoding_ranges_falls_back_to_one_encode_where_the_fast_pass_does_not_a
         parts = list(b.encode_ranges(g, 12, [(0, 40_000), (40_000, n)]))
         assert np.array_equal(np.concatenate([e.indices for _, _, e in parts]), whole.indices)
         assert np.array_equal(a.residual, b.residual)
+
+
+@pytest.mark.parametrize("scale", [-32, 0, 17, 62])
+def test_the_compiled_fold_back_adds_exactly_what_numpy_adds(scale):
+    """host_lib._select.add_dequantized (RoundEncoder.fold_back's CPU pass): r[idx] += the float32
+    of q * 2^-s, bit for bit numpy's ``r[idx] += dequantize(q, s)``."""
+    from host_lib._select import add_dequantized
+    from host_lib.quantize import dequantize
+
+    rng = np.random.default_rng(scale + 40)
+    n = 50_000
+    r0 = (rng.standard_normal(n) * 10.0 ** rng.uniform(-8, 8, n)).astype(np.float32)
+    idx = np.sort(rng.choice(n, 7000, replace=False)).astype(np.uint32)
+    q = rng.integers(-2**31 + 1, 2**31 - 1, len(idx)).astype(np.int32)
+    want = r0.copy()
+    want[idx] += dequantize(q, scale)
+    got = r0.copy()
+    add_dequantized(got, idx, q, scale)
+    assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="past"):
+        add_dequantized(got, np.array([n], np.uint32), np.array([1], np.int32), 0)
