@@ -34,6 +34,7 @@ from dosa.job import DEFAULT_SCALE_EXP
 from host_lib.compress import target_k
 from host_lib.encoder import RoundEncoder
 from host_lib.hook_codec import next_scale_exp
+from host_lib.torch_hook import bucket_encoder
 
 METHODS = ("dosa_sum", "dosa_gtopk", "gloo_dense", "gloo_sparse_allgather", "powersgd")
 SPARSE = ("dosa_sum", "dosa_gtopk", "gloo_sparse_allgather")
@@ -91,16 +92,19 @@ class SparseAllgatherState:
         self.density, self.momentum, self.headroom = density, momentum, headroom
         self.scale_exp = scale_exp
         self.encoders: dict[int, RoundEncoder] = {}
+        self.layouts: dict[int, tuple] = {}
+        self.prev: tuple[dict, dict] = ({}, {})
         self.max_abs: list[float] = []
 
     def encoder(self, bucket) -> RoundEncoder:
-        i, n = bucket.index(), bucket.buffer().numel()
-        e = self.encoders.get(i)
-        if e is None or e.numel != n:  # (a rebuilt layout restarts its residual: DDP rebuilds once)
-            e = RoundEncoder(n, self.density, dist.get_world_size(), "fast", seed=dist.get_rank(),
-                             momentum=self.momentum)
-            self.encoders[i] = e
-        return e
+        """The dosa hook's encoder for this bucket (host_lib.torch_hook.bucket_encoder: the same
+        seeds, and residuals carried over DDP's bucket rebuild), so dosa_sum and this method make
+        the same updates."""
+        if bucket.index() == 0:
+            self.prev = (dict(self.layouts), dict(self.encoders))
+        return bucket_encoder(self.encoders, self.layouts, self.prev, bucket, bucket.buffer(),
+                              self.density, dist.get_world_size(), dist.get_rank(), "fast",
+                              self.momentum, True)[0]
 
 
 def sparse_allgather_hook(state: SparseAllgatherState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -148,6 +152,8 @@ def make_hook(method: str, ddp: DDP, args) -> object:
                               dense_warmup_steps=args.warmup_steps, overlap=not args.no_overlap,
                               job_options=opts)
         ddp.register_comm_hook(state, dosa_hook)
+        # join before the training clock starts, as Gloo's process group was set up before it
+        state.connect(sum(p.numel() for p in ddp.module.parameters() if p.requires_grad))
         return state
     if method == "gloo_sparse_allgather":
         state = SparseAllgatherState(args.density, args.momentum)

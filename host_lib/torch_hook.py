@@ -310,6 +310,19 @@ class DosaHookState:
                      self.method, self.overlap, self.momentum, self.dense_warmup_steps,
                      self.world_size, self.headroom, self.initial_scale_exp, self.allow_fallback)
 
+    def connect(self, numel: int) -> None:
+        """Join the dosa job now, for a model of ``numel`` gradient entries: every rank calls it,
+        like ``init_process_group`` (it agrees across ranks, over the process group, whether dosa
+        is available; with ``fallback`` the hook then uses the group's allreduce). Without it the
+        first dosa step joins and pays for the join. After DDP wrapped the model::
+
+            state.connect(sum(p.numel() for p in model.parameters() if p.requires_grad))
+        """
+        if numel < 1:
+            raise ValueError(f"numel must be positive, got {numel}")
+        self._log_config_once()
+        self._ensure_client(int(numel))
+
     def _ensure_client(self, numel: int) -> None:
         """Create the client (once) and agree across ranks whether every rank has one."""
         if self._client_ready:
@@ -340,27 +353,13 @@ class DosaHookState:
         self.close()
 
     def _encoder_for(self, bucket: dist.GradBucket, buf: torch.Tensor) -> RoundEncoder:
-        """The bucket's encoder. DDP rebuilds its buckets after the first step (gradient-ready
-        order): a bucket whose parameter layout changed gets its parameters' residual (and
-        velocity) carried over from wherever they were, so nothing sent to the residual is lost."""
-        idx, n = bucket.index(), buf.numel()
-        layout = tuple((p.data_ptr(), tuple(p.shape)) for p in bucket.parameters())
-        enc = self._encoders.get(idx)
-        if enc is None or self._layouts.get(idx) != layout or enc.numel != n or enc.device != buf.device:
-            old_layouts, old_encs = self._prev
-            if old_layouts:
-                self.stats.residual_remaps += 1
-                log.debug("dosa hook: bucket %d changed layout; carrying its residual over", idx)
-            rank = dist.get_rank(self.group)
-            enc = RoundEncoder(n, self.density, self.world_size, self.method, seed=1000 * rank + idx,
-                               device=buf.device, momentum=self.momentum,
-                               momentum_masking=self.momentum_masking)
-            enc.load_state(carry_over(old_layouts, {b: e.r for b, e in old_encs.items()}, layout, n),
-                           carry_over(old_layouts, {b: e.u for b, e in old_encs.items()
-                                                    if e.u is not None}, layout, n)
-                           if self.momentum else None)
-            self._layouts[idx] = layout
-            self._encoders[idx] = enc
+        """The bucket's encoder (:func:`bucket_encoder`); counts the residuals carried over."""
+        enc, remapped = bucket_encoder(self._encoders, self._layouts, self._prev, bucket, buf,
+                                       self.density, self.world_size, dist.get_rank(self.group),
+                                       self.method, self.momentum, self.momentum_masking)
+        if remapped:
+            self.stats.residual_remaps += 1
+            log.debug("dosa hook: bucket %d changed layout; carrying its residual over", bucket.index())
         return enc
 
     def close(self) -> None:
@@ -428,6 +427,10 @@ class DosaHookState:
         psize, P = pmap.partition_size, pmap.num_partitions
         off, n = step.offset, buf.numel()
         step.offset += n
+        if step.offset > client.job.numel or (last and step.offset != client.job.numel):
+            raise ValueError(f"the model's gradient has {step.offset if last else 'more than ' + str(client.job.numel)} "
+                             f"entries but the dosa job {client.job.job_id} has {client.job.numel} "
+                             f"(connect(numel) takes the model's gradient size)")
         lo, hi = off // psize, (P if last else -(-(off + n) // psize))
         fut: torch.futures.Future = torch.futures.Future()
         s, max_abs, stream = step.scale_exp, step.max_abs, step.stream
@@ -517,6 +520,33 @@ class DosaHookState:
             causes = getattr(self._client, "retransmit_causes", None)
             if causes is not None:
                 self.stats.retransmit_causes = dict(causes)
+
+
+def bucket_encoder(encoders: dict, layouts: dict, prev: tuple[dict, dict], bucket, buf: torch.Tensor,
+                   density: float, world: int, rank: int, method: str, momentum: float,
+                   masking: bool) -> tuple[RoundEncoder, bool]:
+    """The encoder of DDP bucket ``bucket`` (its buffer ``buf``), from ``encoders``/``layouts``
+    (bucket index -> encoder / parameter layout), made anew when the bucket's parameters changed.
+    DDP rebuilds its buckets after the first step (gradient-ready order): a new encoder gets its
+    parameters' residual (and velocity) carried over from the encoders of ``prev`` (the step
+    before's ``(layouts, encoders)``), so nothing sent to the residual is lost. Seeded by rank and
+    bucket. Returns (encoder, whether a residual was carried over). The dosa hook and the DGC-style
+    baseline of ``dosa bench train`` both take their encoders from here, so the two make the same
+    updates."""
+    idx, n = bucket.index(), buf.numel()
+    layout = tuple((p.data_ptr(), tuple(p.shape)) for p in bucket.parameters())
+    enc = encoders.get(idx)
+    if enc is not None and layouts.get(idx) == layout and enc.numel == n and enc.device == buf.device:
+        return enc, False
+    old_layouts, old_encs = prev
+    enc = RoundEncoder(n, density, world, method, seed=1000 * rank + idx, device=buf.device,
+                       momentum=momentum, momentum_masking=masking)
+    enc.load_state(carry_over(old_layouts, {b: e.r for b, e in old_encs.items()}, layout, n),
+                   carry_over(old_layouts, {b: e.u for b, e in old_encs.items() if e.u is not None},
+                              layout, n) if momentum else None)
+    layouts[idx] = layout
+    encoders[idx] = enc
+    return enc, bool(old_layouts)
 
 
 def carry_over(old_layouts: dict, old_arrays: dict, layout: tuple, numel: int) -> torch.Tensor:

@@ -147,6 +147,35 @@ def test_hook_at_full_density_applies_the_same_update_as_dense_ddp(one_rank_job)
 
 
 @pytest.mark.timeout(60)
+def test_connect_joins_before_the_first_step_which_then_streams(one_rank_job):
+    """state.connect(numel) creates the client at once (as init_process_group would), so the first
+    step needs no join and already overlaps (the streaming round) instead of parking."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, job, cfg = one_rank_job
+    made = []
+
+    def factory(numel):
+        made.append(numel)
+        return _factory(cfg)(numel)
+
+    ddp = DDP(model)
+    state = DosaHookState(client_factory=factory, density=0.2)
+    ddp.register_comm_hook(state, dosa_hook)
+    with pytest.raises(ValueError, match="positive"):
+        state.connect(0)
+    state.connect(job.numel)
+    assert made == [job.numel] and state.client is not None
+    x, y = torch.randn(16, 20), torch.randint(0, 5, (16,))
+    for _ in range(2):
+        ddp.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    state.close()
+    assert made == [job.numel]  # not joined again
+    assert state.stats.dosa_rounds == 2 and state.stats.overlapped_rounds == 2
+
+
+@pytest.mark.timeout(60)
 def test_hook_sends_about_density_and_keeps_the_rest_for_later(one_rank_job):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
