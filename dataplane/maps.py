@@ -273,11 +273,11 @@ class DataplaneMaps:
     def touched(self, job_id: int, partition: int, round: int,
                 job: JobInfo | None = None) -> tuple[np.ndarray, int] | None:
         """The touched list of (partition, round)'s buffer (see ``buffer``) as (zero-copy uint16
-        view of its ``list_cap`` positions, count): XDP appends an entry's offset (index - lo) each
-        time its sum goes from 0 to non-zero, so when ``count <= list_cap`` the first ``count``
-        positions name every non-zero sum (maybe more than once, maybe some that cancelled back to
-        zero); a larger count means the list overflowed (scan the buffer). None: the job keeps no
-        lists."""
+        view of its ``list_cap`` positions, count): every merged sparse packet copies its offsets
+        (index - lo) there in whole 4-offset words, so when ``count <= list_cap`` the first
+        ``count`` positions name every non-zero sum (most more than once, some whose sum is zero,
+        some past the partition); a larger count means the list overflowed (scan the buffer).
+        None: the job keeps no lists."""
         j = job or self._job(job_id)
         if not j.list_cap:
             return None

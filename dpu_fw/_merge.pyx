@@ -175,8 +175,10 @@ cdef inline Py_ssize_t _extract_listed(const int64_t* buf, Py_ssize_t n, const u
                                        Py_ssize_t cnt, uint64_t* bits, int64_t base_index,
                                        uint32_t* oi, int32_t* os, Py_ssize_t* nsat) noexcept nogil:
     """Exactly what _extract writes for buf[0:n], read only at the offsets lst[0:cnt]: the touched
-    list XDP wrote (dataplane/dosa_xdp.c touch()), which names every non-zero sum, in any order,
-    some more than once, some whose sum cancelled back to zero. A bit per listed offset in
+    list XDP wrote (dataplane/dosa_xdp.c list_offsets(): every merged packet's offsets), which names
+    every non-zero sum, in any order, most more than once (once per worker that sent it), some
+    whose sum is zero, some past the partition (the bytes after a packet's offsets in its last
+    word). A bit per listed offset in
     ``bits`` (a zeroed bitmap of at least ceil(n / 64) words) sorts and deduplicates them; the
     words between the lowest and the highest set are walked in order (and cleared: the bitmap is
     zeroed again on return) into oi as offsets. Then each listed sum is read, saturated, counted
@@ -184,7 +186,7 @@ cdef inline Py_ssize_t _extract_listed(const int64_t* buf, Py_ssize_t n, const u
     its own, prefetching PREFETCH sums ahead: the sums are a few per cent of a buffer that is not
     in cache, one cache miss each, and only a loop free of data-dependent branches keeps enough of
     them in flight (walking and reading in one loop was slower than scanning the whole buffer).
-    Offsets at or past n (none when the list is XDP's) are ignored."""
+    Offsets at or past n are ignored."""
     cdef Py_ssize_t i, j, w, m = 0, k = 0, ns = 0, wlo = n, whi = -1
     cdef uint64_t word
     cdef int64_t v
