@@ -1,12 +1,13 @@
 # The C-level parts of dosa/_net.pyx that other compiled modules use (host_lib/_engine.pyx): the
-# socket structures and calls, the batched UDP send loop (UDP GSO over sendmmsg), and the clock and
-# poll helpers it uses.
+# socket structures and calls, the batched UDP send loop (UDP GSO over sendmmsg, with its fallback
+# when a path refuses GSO), the GRO receive slots and segment size, and the clock and poll helpers.
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t
 from posix.time cimport timespec
 
 cdef extern from "<errno.h>":
     int EWOULDBLOCK
     int ENOBUFS
+    int EIO, EINVAL, EOPNOTSUPP, ENOPROTOOPT, EMSGSIZE
 
 cdef extern from "<sys/uio.h>":
     struct iovec:
@@ -72,5 +73,8 @@ cdef double now() noexcept nogil
 cdef int wait_fd(int fd, short events, double deadline) noexcept nogil
 cdef Py_ssize_t send_core(int fd, const uint8_t* data, Py_ssize_t stride, const int64_t* lengths,
                           const int64_t* rows, Py_ssize_t n, const uint32_t* ip_be,
-                          const uint16_t* port_be, double timeout, int gso_segs, int64_t* calls_out,
-                          int64_t* dgrams_out, int* err_out) noexcept nogil
+                          const uint16_t* port_be, double timeout, int64_t* gso_segs,
+                          int64_t* calls_out, int64_t* dgrams_out, int* err_out) noexcept nogil
+cdef void gro_prepare(mmsghdr* msgs, iovec* iov, sockaddr_in* addrs, uint8_t* buf, uint8_t* ctrl,
+                      int n) noexcept nogil
+cdef int gro_segment(mmsghdr* m) noexcept nogil

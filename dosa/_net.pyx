@@ -5,7 +5,8 @@ Send (:func:`send_batch`): consecutive rows to the same destination with equal l
 a run may be shorter) become one GSO datagram (a ``UDP_SEGMENT`` control message, one iovec per
 packet slot, at most ``gso_segs`` segments and 65,507 bytes); the kernel cuts it into the original
 packets below the socket (on a real NIC: in the NIC), so the wire sees exactly the packets of the
-batch. Up to 1024 such datagrams go in one sendmmsg. ``gso_segs=0`` sends one datagram per packet.
+batch. Up to 1024 such datagrams go in one sendmmsg. Without GSO (or once the path refused it) one
+datagram per packet.
 
 Receive: :class:`GroReceiver` reads a socket with ``UDP_GRO`` on: one datagram may carry many
 equal-size segments (the size comes in a SOL_UDP/UDP_GRO control message); they are split back into
@@ -87,18 +88,25 @@ def _os_error(int err, str what, Py_ssize_t sent):
     return e
 
 
+cdef inline bint gso_refused(int err) noexcept nogil:
+    """errnos with which a path refuses a GSO datagram (no checksum offload, an MTU below the
+    segment...), not a full buffer: the sender goes on with one datagram per packet for good."""
+    return err == EIO or err == EINVAL or err == EOPNOTSUPP or err == ENOPROTOOPT or err == EMSGSIZE
+
+
 cdef Py_ssize_t send_core(int fd, const uint8_t* data, Py_ssize_t stride, const int64_t* lengths,
                           const int64_t* rows, Py_ssize_t n, const uint32_t* ip_be,
-                          const uint16_t* port_be, double timeout, int gso_segs, int64_t* calls_out,
-                          int64_t* dgrams_out, int* err_out) noexcept nogil:
+                          const uint16_t* port_be, double timeout, int64_t* gso_segs,
+                          int64_t* calls_out, int64_t* dgrams_out, int* err_out) noexcept nogil:
     """The send loop of :func:`send_batch` (its docstring) on raw arrays, without the GIL: packet
     ``rows[k]`` (``lengths[rows[k]]`` bytes at ``data + rows[k] * stride``) to (ip_be[k],
-    port_be[k]). Rows and lengths must have been checked. Returns the packets sent; ``err_out``
-    gets the errno of a failure other than a full buffer (0 otherwise); ``calls_out`` and
-    ``dgrams_out`` get += the system calls and datagrams. host_lib's round engine calls it too
-    (dosa/_net.pxd)."""
+    port_be[k]). Rows and lengths must have been checked. ``gso_segs[0]``: segments a GSO datagram
+    (<= 1: none); when the path refuses GSO it is set to 0 and the rest goes one datagram per packet
+    (the caller sees the change). Returns the packets sent; ``err_out`` gets the errno of a failure
+    other than a full buffer (0 otherwise); ``calls_out`` and ``dgrams_out`` get += the system calls
+    and datagrams. host_lib's round engine calls it too (dosa/_net.pxd)."""
     cdef Py_ssize_t done = 0, k, m, row, nb, ni, j, seg, tot, first
-    cdef int rc, err = 0, w, maxseg = gso_segs if gso_segs > 1 else 1
+    cdef int rc, err = 0, w, maxseg = <int>gso_segs[0] if gso_segs[0] > 1 else 1
     cdef int64_t calls = 0, dgrams = 0
     cdef double deadline
     cdef cmsghdr* cm
@@ -171,6 +179,10 @@ cdef Py_ssize_t send_core(int fd, const uint8_t* data, Py_ssize_t stride, const 
             continue
         if rc < 0 and errno == EINTR:
             continue
+        if rc < 0 and maxseg > 1 and gso_refused(errno):
+            gso_segs[0] = 0  # the datagrams not sent are rebuilt one packet each
+            maxseg = 1
+            continue
         if rc < 0 and errno != EAGAIN and errno != EWOULDBLOCK and errno != ENOBUFS:
             err = errno
             break
@@ -189,16 +201,18 @@ cdef Py_ssize_t send_core(int fd, const uint8_t* data, Py_ssize_t stride, const 
 
 def send_batch(int fd, const uint8_t[:, ::1] data, const int64_t[::1] lengths,
                const int64_t[::1] rows, const uint32_t[::1] ip_be, const uint16_t[::1] port_be,
-               double timeout=1.0, int gso_segs=0, int64_t[::1] counters=None):
+               double timeout=1.0, int64_t[::1] gso=None, int64_t[::1] counters=None):
     """Send packet ``data[rows[k], :lengths[rows[k]]]`` to (ip_be[k], port_be[k]) for every k,
-    both in network byte order, ``gso_segs > 1``: runs of up to that many packets as one GSO
-    datagram each (module docstring). Returns the number of packets sent: fewer than ``len(rows)``
-    only when the socket stayed full for ``timeout`` seconds. Raises OSError (with ``.sent``, the
-    packets already sent) for any other send error. ``counters`` (int64[2]), if given, gets
-    += (system calls, datagrams handed to the kernel)."""
+    both in network byte order. ``gso`` (int64[1], optional): ``gso[0] > 1`` sends runs of up to
+    that many packets as one GSO datagram each (module docstring); a path that refuses GSO sets it
+    to 0 and the rest goes one datagram per packet. Returns the number of packets sent: fewer than
+    ``len(rows)`` only when the socket stayed full for ``timeout`` seconds. Raises OSError (with
+    ``.sent``, the packets already sent) for any other send error. ``counters`` (int64[2]), if
+    given, gets += (system calls, datagrams handed to the kernel)."""
     cdef Py_ssize_t n = rows.shape[0], k, row, done = 0
     cdef int err = 0
-    cdef int64_t calls = 0, dgrams = 0
+    cdef int64_t calls = 0, dgrams = 0, no_gso = 0
+    cdef int64_t* gp = &gso[0] if gso is not None and gso.shape[0] else &no_gso
     if ip_be.shape[0] != n or port_be.shape[0] != n:
         raise ValueError("one destination per packet is needed")
     if counters is not None and counters.shape[0] < 2:
@@ -211,13 +225,43 @@ def send_batch(int fd, const uint8_t[:, ::1] data, const int64_t[::1] lengths,
         return 0
     with nogil:
         done = send_core(fd, &data[0, 0], data.shape[1], &lengths[0], &rows[0], n, &ip_be[0],
-                         &port_be[0], timeout, gso_segs, &calls, &dgrams, &err)
+                         &port_be[0], timeout, gp, &calls, &dgrams, &err)
     if counters is not None:
         counters[0] += calls
         counters[1] += dgrams
     if err:
         raise _os_error(err, "sendmmsg", done)
     return done
+
+
+cdef void gro_prepare(mmsghdr* msgs, iovec* iov, sockaddr_in* addrs, uint8_t* buf, uint8_t* ctrl,
+                      int n) noexcept nogil:
+    """Set up ``n`` recvmmsg slots: datagram k into ``buf + k * GRO_BUF`` (64 KB: GRO never builds
+    more), its source into ``addrs[k]``, its control messages into ``ctrl + k * CTRL_SPACE``. Again
+    before every call (the kernel rewrites the lengths)."""
+    cdef int k
+    for k in range(n):
+        iov[k].iov_base = <void*>(buf + <Py_ssize_t>k * GRO_BUF)
+        iov[k].iov_len = GRO_BUF
+        memset(&msgs[k], 0, sizeof(mmsghdr))
+        msgs[k].msg_hdr.msg_name = <void*>&addrs[k]
+        msgs[k].msg_hdr.msg_namelen = sizeof(sockaddr_in)
+        msgs[k].msg_hdr.msg_iov = &iov[k]
+        msgs[k].msg_hdr.msg_iovlen = 1
+        msgs[k].msg_hdr.msg_control = <void*>(ctrl + k * CTRL_SPACE)
+        msgs[k].msg_hdr.msg_controllen = CTRL_SPACE
+
+
+cdef int gro_segment(mmsghdr* m) noexcept nogil:
+    """The segment size of a received datagram (its SOL_UDP/UDP_GRO control message), 0 when it
+    has none (a single packet)."""
+    cdef cmsghdr* cm = CMSG_FIRSTHDR(&m.msg_hdr)
+    cdef int seg = 0
+    while cm != NULL:
+        if cm.cmsg_level == SOL_UDP_ and cm.cmsg_type == UDP_GRO_:
+            seg = (<int*>CMSG_DATA(cm))[0]
+        cm = CMSG_NXTHDR(&m.msg_hdr, cm)
+    return seg
 
 
 cdef class GroReceiver:
@@ -309,7 +353,6 @@ cdef class GroReceiver:
         cdef Py_ssize_t cap = lengths.shape[0], out = 0, k
         cdef int rc = 0, err = 0
         cdef double deadline
-        cdef cmsghdr* cm
         if data.shape[0] < cap or src_ip_be.shape[0] < cap or src_port_be.shape[0] < cap:
             raise ValueError("every output array needs a slot per packet")
         if cap == 0:
@@ -317,28 +360,14 @@ cdef class GroReceiver:
         with nogil:
             out = self._drain(data, lengths, src_ip_be, src_port_be, 0, cap)
             if out < cap and self.cur >= self.have:
-                for k in range(self.nmsg):
-                    self.iov[k].iov_base = <void*>(self.buf + k * GRO_BUF)
-                    self.iov[k].iov_len = GRO_BUF
-                    memset(&self.msgs[k], 0, sizeof(mmsghdr))
-                    self.msgs[k].msg_hdr.msg_name = <void*>&self.addrs[k]
-                    self.msgs[k].msg_hdr.msg_namelen = sizeof(sockaddr_in)
-                    self.msgs[k].msg_hdr.msg_iov = &self.iov[k]
-                    self.msgs[k].msg_hdr.msg_iovlen = 1
-                    self.msgs[k].msg_hdr.msg_control = <void*>(self.ctrl + k * CTRL_SPACE)
-                    self.msgs[k].msg_hdr.msg_controllen = CTRL_SPACE
+                gro_prepare(self.msgs, self.iov, self.addrs, self.buf, self.ctrl, self.nmsg)
                 deadline = now() + (timeout if out == 0 else 0.0)
                 rc = recvmmsg_wait(fd, self.msgs, <unsigned int>self.nmsg, deadline, &err)
                 if err == 0 and rc > 0:
                     self.calls += 1
                     self.datagrams += rc
                     for k in range(rc):
-                        self.seg[k] = 0
-                        cm = CMSG_FIRSTHDR(&self.msgs[k].msg_hdr)
-                        while cm != NULL:
-                            if cm.cmsg_level == SOL_UDP_ and cm.cmsg_type == UDP_GRO_:
-                                self.seg[k] = (<int*>CMSG_DATA(cm))[0]
-                            cm = CMSG_NXTHDR(&self.msgs[k].msg_hdr, cm)
+                        self.seg[k] = gro_segment(&self.msgs[k])
                     self.have = rc
                     self.cur = 0
                     self.off = 0

@@ -12,7 +12,6 @@ refuses, the endpoint falls back to one datagram per packet with one log line. `
 """
 from __future__ import annotations
 
-import errno
 import logging
 import select
 import socket
@@ -59,10 +58,6 @@ def batching() -> dict[str, bool]:
             "gro": _BATCHING["gro"] and switch_on("DOSA_GRO")}
 
 
-#: errnos with which a path refuses a GSO datagram (not a full buffer): fall back for good
-_GSO_REFUSED = {errno.EIO, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOPROTOOPT, errno.EMSGSIZE}
-
-
 class UdpEndpoint:
     """A bound, non-blocking UDP socket that sends and receives PacketBatches in batches.
 
@@ -92,7 +87,10 @@ class UdpEndpoint:
         self.counters = np.zeros(len(self.COUNTERS), np.int64)
         self.msock = None
         can = batching()
-        self.gso_segs = _net.MAX_GSO_SEGMENTS if (can["gso"] if gso is None else gso) else 0
+        #: segments a GSO datagram (0: none), in an array the round engine shares: the send loop
+        #: sets it to 0 when the path refuses GSO (dosa/_net.pyx send_core)
+        self.gso = np.array([_net.MAX_GSO_SEGMENTS if (can["gso"] if gso is None else gso) else 0],
+                            np.int64)
         self._gro = None
         if can["gro"] if gro is None else gro:
             try:
@@ -119,6 +117,20 @@ class UdpEndpoint:
     recv_bytes = _counter(7, "bytes received")
     truncated = _counter(8, "datagrams longer than a receive slot, dropped")
     del _counter
+
+    @property
+    def gso_segs(self) -> int:
+        """Segments a GSO datagram (0: one datagram per packet)."""
+        return int(self.gso[0])
+
+    @gso_segs.setter
+    def gso_segs(self, n: int) -> None:
+        self.gso[0] = n
+
+    def gso_refused(self) -> None:
+        """Say once that the path refused GSO (the send loop, dosa/_net.pyx, has already gone on
+        with one datagram per packet)."""
+        log.warning("UDP GSO refused on this path: one datagram per packet from now on")
 
     @property
     def recv_calls(self) -> int:
@@ -149,18 +161,11 @@ class UdpEndpoint:
         rows = np.ascontiguousarray(rows, np.int64)
         ip_be = np.ascontiguousarray(ip_be, np.uint32)
         port_be = np.ascontiguousarray(port_be, np.uint16)
-        try:
-            n = _net.send_batch(self.fd, batch.data, batch.lengths, rows, ip_be, port_be, timeout,
-                                self.gso_segs, self._send_ctr)
-        except OSError as e:
-            if not self.gso_segs or e.errno not in _GSO_REFUSED:
-                raise
-            log.warning("UDP GSO refused on this path (%s): one datagram per packet from now on",
-                        e.strerror or e)
-            self.gso_segs = 0
-            k = e.sent
-            n = k + _net.send_batch(self.fd, batch.data, batch.lengths, rows[k:], ip_be[k:],
-                                    port_be[k:], timeout, 0, self._send_ctr)
+        had_gso = self.gso_segs > 1
+        n = _net.send_batch(self.fd, batch.data, batch.lengths, rows, ip_be, port_be, timeout,
+                            self.gso, self._send_ctr)
+        if had_gso and not self.gso_segs:
+            self.gso_refused()
         self.counters[2] += n
         self.counters[3] += int(batch.lengths[rows[:n]].sum())
         if n < len(rows):

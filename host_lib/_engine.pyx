@@ -30,12 +30,12 @@ sees a consistent state.
 from libc.errno cimport errno, EAGAIN, EINTR
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
-from dosa._net cimport (AF_INET, CMSG_DATA, CMSG_FIRSTHDR, CMSG_NXTHDR, CTRL_SPACE, GRO_BUF,
-                        MSG_DONTWAIT, MSG_TRUNC, POLLIN, SOL_UDP_, UDP_GRO_, EWOULDBLOCK, cmsghdr,
-                        iovec, mmsghdr, now, pollfd, recvmmsg, send_core, sockaddr_in)
+from dosa._net cimport (CTRL_SPACE, GRO_BUF, MSG_DONTWAIT, MSG_TRUNC, POLLIN, EWOULDBLOCK,
+                        gro_prepare, gro_segment, iovec, mmsghdr, now, pollfd, recvmmsg, send_core,
+                        sockaddr_in)
 
 import numpy as np
 
@@ -95,10 +95,6 @@ cdef enum:
     MAXPK = 256         # DOSA_MAX_PACKETS_PER_CONTRIBUTION
     SIDE_SLOTS = 256
 
-# errnos with which a path refuses a GSO datagram (dosa.transport._GSO_REFUSED)
-cdef extern from "<errno.h>":
-    int EIO, EINVAL, EOPNOTSUPP, ENOPROTOOPT, EMSGSIZE
-
 
 cdef inline double thread_cpu() noexcept nogil:
     cdef timespec ts
@@ -111,22 +107,23 @@ cdef class RoundEngine:
 
     Args:
         P: partitions of the job; partition_size, numel: the job's index space.
-        owner: the DPU of each partition (int64[P]); gate: per partition the one whose result must
-            be in before it may be sent, or -1 (int64[P]; host_lib.round computes it).
-        job_id: the job; dpu_ip_be, dpu_port_be: each DPU's address in network byte order.
-        window: partitions in flight at most. gso_segs: UDP GSO segments a datagram (0: none).
+        gate: per partition the one whose result must be in before it may be sent, or -1
+            (int64[P]; host_lib.client computes it).
+        job_id: the job; dpu_ip_be, dpu_port_be: each DPU's address in network byte order (a
+            packet's ``dest`` indexes them).
+        window: partitions in flight at most.
+        gso: the endpoint's int64[1] GSO setting (dosa.transport.UdpEndpoint.gso: segments a
+            datagram, 0 none), set to 0 by the send loop when the path refuses GSO.
         counters: the endpoint's int64 counters (the C_* slots) the engine adds to.
         seed: non-zero: every send goes out in a random order (a test aid: reordering).
     """
 
     cdef readonly Py_ssize_t P, partition_size, numel, window
     cdef readonly uint32_t job_id
-    cdef public int gso_segs
-    cdef int _fd_send
-    cdef int64_t[::1] owner_v, gate_v
+    cdef int64_t[::1] gate_v
     cdef uint32_t[::1] dpu_ip_v
     cdef uint16_t[::1] dpu_port_v
-    cdef int64_t[::1] ctr
+    cdef int64_t[::1] ctr, gso
     cdef uint64_t rng
 
     # shared with host_lib.round (numpy arrays) and their views
@@ -182,42 +179,26 @@ cdef class RoundEngine:
     cdef int64_t[::1] side_len_v
     cdef readonly Py_ssize_t n_side
 
-    def __cinit__(self, *args, **kwargs):
-        self.rows = NULL
-        self.rip = NULL
-        self.rport = NULL
-        self.a_idx = NULL
-        self.a_val = NULL
-        self.pos = NULL
-        self.cnt = NULL
-        self.rxbuf = NULL
-        self.ctrl = NULL
-        self.msgs = NULL
-        self.iov = NULL
-        self.addrs = NULL
-
-    def __init__(self, Py_ssize_t P, Py_ssize_t partition_size, Py_ssize_t numel, owner, gate,
-                 uint32_t job_id, dpu_ip_be, dpu_port_be, Py_ssize_t window, int gso_segs,
-                 counters, uint64_t seed=0):
+    # (C pointers of a cdef class start NULL: __dealloc__ frees only what __init__ allocated)
+    def __init__(self, Py_ssize_t P, Py_ssize_t partition_size, Py_ssize_t numel, gate,
+                 uint32_t job_id, dpu_ip_be, dpu_port_be, Py_ssize_t window, gso, counters,
+                 uint64_t seed=0):
         if P < 1 or partition_size < 1 or numel < 1 or window < 1:
             raise ValueError("RoundEngine needs at least one partition, entry and window slot")
         self.P, self.partition_size, self.numel, self.window = P, partition_size, numel, window
         self.job_id = job_id
-        self.gso_segs = gso_segs
-        self.owner_v = np.ascontiguousarray(owner, np.int64)
         self.gate_v = np.ascontiguousarray(gate, np.int64)
         self.dpu_ip_v = np.ascontiguousarray(dpu_ip_be, np.uint32)
         self.dpu_port_v = np.ascontiguousarray(dpu_port_be, np.uint16)
-        if self.owner_v.shape[0] != P or self.gate_v.shape[0] != P:
-            raise ValueError("owner and gate need one entry per partition")
+        if self.gate_v.shape[0] != P:
+            raise ValueError("gate needs one entry per partition")
         for p in range(P):
-            if not 0 <= self.owner_v[p] < self.dpu_ip_v.shape[0]:
-                raise ValueError(f"partition {p} is owned by DPU {self.owner_v[p]}, which has no address")
             if self.gate_v[p] >= p:
                 raise ValueError("a partition's gate must come before it")
         self.ctr = counters
-        if self.ctr.shape[0] < 9:
-            raise ValueError("counters needs the 9 C_* slots")
+        self.gso = gso
+        if self.ctr.shape[0] < 9 or self.gso.shape[0] < 1:
+            raise ValueError("counters needs the 9 C_* slots, gso one")
         # any non-zero 64-bit state for xorshift64 (0 would stay 0)
         self.rng = ((int(seed) * 0x9E3779B97F4A7C15 + 1) & 0xFFFFFFFFFFFFFFFF) or 1 if seed else 0
         self.sent = np.zeros(P, np.uint8)
@@ -372,12 +353,13 @@ cdef class RoundEngine:
         return self.n_done == self.P
 
     # ------------------------------------------------------------------ send
-    cdef int _send_rows(self, Py_ssize_t r0, Py_ssize_t r1, int* flags) noexcept nogil:
+    cdef int _send_rows(self, int fd, Py_ssize_t r0, Py_ssize_t r1, int* flags) noexcept nogil:
         """Send packets r0..r1-1 (in a random order with ``rng``); 0, or an errno (-1: the socket
-        stayed full for 2 s)."""
+        stayed full for 2 s). GSO_OFF in ``flags`` when the path refused GSO in this call."""
         cdef Py_ssize_t n = r1 - r0, k, j, done_n = 0
         cdef int64_t t
         cdef int err = 0
+        cdef bint had_gso
         cdef uint64_t x
         if n <= 0:
             return 0
@@ -403,28 +385,20 @@ cdef class RoundEngine:
         for k in range(n):
             self.rip[k] = self.dpu_ip_v[self.txdest_v[self.rows[k]]]
             self.rport[k] = self.dpu_port_v[self.txdest_v[self.rows[k]]]
-        while done_n < n:
-            done_n += send_core(self._fd_send, &self.txd_v[0, 0], self.txd_v.shape[1],
-                                &self.txl_v[0], self.rows + done_n, n - done_n, self.rip + done_n,
-                                self.rport + done_n, 2.0, self.gso_segs, &self.ctr[C_SEND_CALLS],
-                                &self.ctr[C_SEND_DGRAMS], &err)
-            if err and self.gso_segs > 1 and (err == EIO or err == EINVAL or err == EOPNOTSUPP
-                                              or err == ENOPROTOOPT or err == EMSGSIZE):
-                self.gso_segs = 0  # the path refuses GSO: one datagram per packet from now on
-                flags[0] |= F_GSO_OFF
-                err = 0
-                continue
-            if err:
-                break
-            if done_n < n:
-                err = -1
-                break
+        had_gso = self.gso[0] > 1
+        done_n = send_core(fd, &self.txd_v[0, 0], self.txd_v.shape[1], &self.txl_v[0], self.rows,
+                           n, self.rip, self.rport, 2.0, &self.gso[0], &self.ctr[C_SEND_CALLS],
+                           &self.ctr[C_SEND_DGRAMS], &err)
+        if had_gso and self.gso[0] <= 1:
+            flags[0] |= F_GSO_OFF
+        if not err and done_n < n:
+            err = -1
         for k in range(done_n):
             self.ctr[C_SENT_BYTES] += self.txl_v[self.rows[k]]
         self.ctr[C_SENT_PACKETS] += done_n
         return err
 
-    cdef int _fill(self, int* flags) noexcept nogil:
+    cdef int _fill(self, int fd, int* flags) noexcept nogil:
         """Send the partitions the window and the slots allow (module docstring, step 1)."""
         cdef Py_ssize_t lo = self.next, hi, p, g
         cdef int err
@@ -441,7 +415,7 @@ cdef class RoundEngine:
                 break
         if hi <= lo:
             return 0
-        err = self._send_rows(self.txs_v[lo], self.txs_v[hi], flags)
+        err = self._send_rows(fd, self.txs_v[lo], self.txs_v[hi], flags)
         if err:
             return err
         t = now()
@@ -456,9 +430,8 @@ cdef class RoundEngine:
     def fill(self, int fd):
         """Send what the window allows now (SparseStream.send); returns the pump() flags."""
         cdef int flags = 0, err
-        self._fd_send = fd
         with nogil:
-            err = self._fill(&flags)
+            err = self._fill(fd, &flags)
         if err:
             self._raise_send(err)
         return flags
@@ -608,19 +581,9 @@ cdef class RoundEngine:
         Returns the datagrams read."""
         cdef int rc, k, seg
         cdef Py_ssize_t dlen, off, l
-        cdef cmsghdr* cm
         cdef uint8_t* p
         cdef double t0 = thread_cpu(), t1
-        for k in range(NMSG):
-            self.iov[k].iov_base = <void*>(self.rxbuf + <Py_ssize_t>k * GRO_BUF)
-            self.iov[k].iov_len = GRO_BUF
-            memset(&self.msgs[k], 0, sizeof(mmsghdr))
-            self.msgs[k].msg_hdr.msg_name = <void*>&self.addrs[k]
-            self.msgs[k].msg_hdr.msg_namelen = sizeof(sockaddr_in)
-            self.msgs[k].msg_hdr.msg_iov = &self.iov[k]
-            self.msgs[k].msg_hdr.msg_iovlen = 1
-            self.msgs[k].msg_hdr.msg_control = <void*>(self.ctrl + k * CTRL_SPACE)
-            self.msgs[k].msg_hdr.msg_controllen = CTRL_SPACE
+        gro_prepare(self.msgs, self.iov, self.addrs, self.rxbuf, self.ctrl, NMSG)
         rc = recvmmsg(fd, self.msgs, NMSG, MSG_DONTWAIT, NULL)
         t1 = thread_cpu()
         self.cpu_v[CPU_RECEIVE] += t1 - t0
@@ -639,12 +602,7 @@ cdef class RoundEngine:
                 self.ctr[C_TRUNCATED] += 1
                 self.ctr[C_RECV_PACKETS] += 1
                 continue
-            seg = 0
-            cm = CMSG_FIRSTHDR(&self.msgs[k].msg_hdr)
-            while cm != NULL:
-                if cm.cmsg_level == SOL_UDP_ and cm.cmsg_type == UDP_GRO_:
-                    seg = (<int*>CMSG_DATA(cm))[0]
-                cm = CMSG_NXTHDR(&self.msgs[k].msg_hdr, cm)
+            seg = gro_segment(&self.msgs[k])
             if seg <= 0:
                 seg = <int>dlen
             self.ctr[C_RECV_BYTES] += dlen
@@ -714,11 +672,10 @@ cdef class RoundEngine:
         cdef double deadline = now() + timeout, t0, until
         self.n_completed = 0
         self.n_side = 0
-        self._fd_send = fd
         with nogil:
             while True:
                 t0 = thread_cpu()
-                err = self._fill(&flags)
+                err = self._fill(fd, &flags)
                 self.cpu_v[CPU_SEND] += thread_cpu() - t0
                 if err or self.n_done == self.P:
                     break

@@ -149,11 +149,10 @@ class AggregationClient:
             M = self.pmap.num_dpus
             step = M * np.array([self.job.slots_on(d) for d in range(M)], np.int64)[self._owner]
             gate = np.where(np.arange(P) >= step, np.arange(P) - step, -1)
-            self._engine = RoundEngine(P, self.pmap.partition_size, self.job.numel, self._owner,
-                                       gate, self.job.job_id, *self.dpu_table, self.window,
-                                       self.ep.gso_segs, self.ep.counters,
+            self._engine = RoundEngine(P, self.pmap.partition_size, self.job.numel, gate,
+                                       self.job.job_id, *self.dpu_table, self.window, self.ep.gso,
+                                       self.ep.counters,
                                        int(self._rng.integers(1, 2**62)) if self._rng is not None else 0)
-        self._engine.gso_segs = self.ep.gso_segs
         return self._engine
 
     def _phase(self, name: str, t0: float) -> float:

@@ -15,7 +15,6 @@ Loss recovery (docs/dpu_worker.md):
 """
 from __future__ import annotations
 
-import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -40,8 +39,6 @@ GAP_GRACE_S = 0.002
 #: a round's loop sleeps in the engine until its next timer, within these bounds (seconds)
 MIN_SLEEP_S = 0.0002
 MAX_SLEEP_S = 0.05
-
-log = logging.getLogger("dosa.host")
 
 
 class MissingWorkersError(DosaError):
@@ -182,9 +179,8 @@ class Round:
         return flags
 
     def _note_gso(self, flags: int) -> None:
-        if flags & _engine.GSO_OFF:
-            log.warning("UDP GSO refused on this path: one datagram per packet from now on")
-            self.c.ep.gso_segs = 0
+        if flags & _engine.GSO_OFF:  # (the engine's send loop has already gone on without it)
+            self.c.ep.gso_refused()
 
     def _send(self, rows: np.ndarray) -> None:
         if self.c._rng is not None:

@@ -256,7 +256,7 @@ def test_a_host_whose_path_refuses_gso_falls_back_in_the_round_engine_and_loses_
     total = np.zeros(job.numel, np.int64)
     for idx, q in ins:
         np.add.at(total, idx.astype(np.int64), q)
-    with caplog.at_level(logging.WARNING, logger="dosa.host"):
+    with caplog.at_level(logging.WARNING, logger="dosa.net"):
         for _ in range(2):
             out, errs = run_all(cs, lambda i, c: c.allreduce_sparse(*ins[i], 8))
             assert errs == [None, None]

@@ -84,8 +84,8 @@ class Spec:
 
 
 def _engine_for(P: int) -> _engine.RoundEngine:
-    eng = _engine.RoundEngine(P, PS, NUMEL, np.zeros(P, np.int64), np.full(P, -1, np.int64), JOB,
-                              np.zeros(1, np.uint32), np.zeros(1, np.uint16), 256, 0,
+    eng = _engine.RoundEngine(P, PS, NUMEL, np.full(P, -1, np.int64), JOB, np.zeros(1, np.uint32),
+                              np.zeros(1, np.uint16), 256, np.zeros(1, np.int64),
                               np.zeros(_engine.N_COUNTERS, np.int64))
     eng.begin(ROUND, SCALE, P)
     return eng
