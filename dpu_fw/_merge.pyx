@@ -138,6 +138,19 @@ def scatter_add(int64_t[::1] buf, const uint32_t[::1] idx, const int32_t[::1] va
     return nbad
 
 
+cdef inline Py_ssize_t _store(int64_t v, Py_ssize_t j, int64_t base_index, uint32_t* oi,
+                               int32_t* os, Py_ssize_t k, Py_ssize_t* ns) noexcept nogil:
+    """Store sum ``v`` of offset ``j`` at output k, saturated to s32 (counted in ``ns``), without a
+    branch; returns the next output (k + 1 when v is non-zero, else k: a zero is overwritten)."""
+    cdef bint hi = v > 2147483647, lo = v < -2147483647
+    ns[0] += hi | lo
+    v = 2147483647 if hi else v
+    v = -2147483647 if lo else v
+    oi[k] = <uint32_t>(base_index + j)
+    os[k] = <int32_t>v
+    return k + (v != 0)
+
+
 cdef inline Py_ssize_t _extract(const int64_t* buf, Py_ssize_t n, int64_t base_index, uint32_t* oi,
                                 int32_t* os, Py_ssize_t* nsat) noexcept nogil:
     """Non-zeros of buf[0:n] to oi/os (absolute index, s32 sum saturated and counted in nsat);
@@ -145,8 +158,6 @@ cdef inline Py_ssize_t _extract(const int64_t* buf, Py_ssize_t n, int64_t base_i
     block that is not are stored without a branch (the output index advances where non-zero), so
     a few per cent of non-zeros, scattered, cost no mispredictions. oi/os must hold n entries."""
     cdef Py_ssize_t i = 0, j, k = 0, ns = 0, nb = n - n % 8, end
-    cdef int64_t v
-    cdef bint hi, lo
     while i < n:
         if i < nb:
             if (buf[i] | buf[i + 1] | buf[i + 2] | buf[i + 3] | buf[i + 4] | buf[i + 5]
@@ -157,15 +168,7 @@ cdef inline Py_ssize_t _extract(const int64_t* buf, Py_ssize_t n, int64_t base_i
         else:
             end = n
         for j in range(i, end):
-            v = buf[j]
-            hi = v > 2147483647
-            lo = v < -2147483647
-            ns += hi | lo
-            v = 2147483647 if hi else v
-            v = -2147483647 if lo else v
-            oi[k] = <uint32_t>(base_index + j)
-            os[k] = <int32_t>v
-            k += v != 0
+            k = _store(buf[j], j, base_index, oi, os, k, &ns)
         i = end
     nsat[0] += ns
     return k
@@ -178,19 +181,16 @@ cdef inline Py_ssize_t _extract_listed(const int64_t* buf, Py_ssize_t n, const u
     list XDP wrote (dataplane/dosa_xdp.c list_offsets(): every merged packet's offsets), which names
     every non-zero sum, in any order, most more than once (once per worker that sent it), some
     whose sum is zero, some past the partition (the bytes after a packet's offsets in its last
-    word). A bit per listed offset in
-    ``bits`` (a zeroed bitmap of at least ceil(n / 64) words) sorts and deduplicates them; the
-    words between the lowest and the highest set are walked in order (and cleared: the bitmap is
-    zeroed again on return) into oi as offsets. Then each listed sum is read, saturated, counted
-    and stored as in _extract (zeros skipped), compacting oi in place. That gather is a loop of
-    its own, prefetching PREFETCH sums ahead: the sums are a few per cent of a buffer that is not
-    in cache, one cache miss each, and only a loop free of data-dependent branches keeps enough of
+    word). A bit per listed offset in ``bits`` (a zeroed bitmap of at least ceil(n / 64) words)
+    sorts and deduplicates them; the words between the lowest and the highest set are walked in
+    order (and cleared: the bitmap is zeroed again on return) into oi as offsets. Then each listed
+    sum is stored as in _extract (_store), compacting oi in place. That gather is a loop of its
+    own, prefetching PREFETCH sums ahead: the sums are a few per cent of a buffer that is not in
+    cache, one cache miss each, and only a loop free of data-dependent branches keeps enough of
     them in flight (walking and reading in one loop was slower than scanning the whole buffer).
     Offsets at or past n are ignored."""
     cdef Py_ssize_t i, j, w, m = 0, k = 0, ns = 0, wlo = n, whi = -1
     cdef uint64_t word
-    cdef int64_t v
-    cdef bint hi, lo
     for i in range(cnt):
         j = lst[i]
         if j < n:
@@ -213,15 +213,7 @@ cdef inline Py_ssize_t _extract_listed(const int64_t* buf, Py_ssize_t n, const u
         if i + PREFETCH < m:
             __builtin_prefetch(&buf[oi[i + PREFETCH]])
         j = oi[i]
-        v = buf[j]
-        hi = v > 2147483647
-        lo = v < -2147483647
-        ns += hi | lo
-        v = 2147483647 if hi else v
-        v = -2147483647 if lo else v
-        oi[k] = <uint32_t>(base_index + j)
-        os[k] = <int32_t>v
-        k += v != 0
+        k = _store(buf[j], j, base_index, oi, os, k, &ns)
     nsat[0] += ns
     return k
 
