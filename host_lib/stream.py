@@ -35,9 +35,17 @@ from . import _engine
 from .round import MAX_SLEEP_S, MIN_SLEEP_S, STALL_CHECK_S, Round
 
 
-def _range_packets(rnd: Round, indices, values, lo: int, upto: int) -> PacketBatch:
-    """This host's data packets of partitions [lo, upto) of round ``rnd``."""
-    c = rnd.c
+def _range_packets(rnd: Round, indices, values, upto: int, what: str) -> PacketBatch | None:
+    """This host's data packets of the next partitions, ``[released, upto)`` of round ``rnd``
+    (None: the range is empty). ``what`` names the round in errors ("round", "stream")."""
+    c, lo = rnd.c, rnd.eng.released
+    if not lo <= upto <= rnd.P:
+        raise DosaError(f"{what}: partitions must be handed over in order; {lo} are in, asked up "
+                        f"to {upto} of {rnd.P}")
+    if upto == lo:
+        if len(indices):
+            raise DosaError(f"{what}: entries given for partitions already handed over")
+        return None
     t0 = time.thread_time()
     try:
         b = packetize(indices, values, c.pmap, job_id=c.job.job_id, worker_id=c.worker_id,
@@ -63,16 +71,10 @@ class FedRound(Round):
     def feed(self, indices, values, upto: int) -> None:
         """Add partitions ``[released, upto)`` with this host's entries in them (sorted unique u32
         indices inside those partitions; int32 values), send them, take what has arrived."""
-        released = self.eng.released
-        if not released <= upto <= self.P:
-            raise DosaError(f"round: partitions must be fed in order; {released} are in, asked up "
-                            f"to {upto} of {self.P}")
-        if upto == released:
-            if len(indices):
-                raise DosaError("round: entries given for partitions already fed")
-            return
-        self._append(_range_packets(self, indices, values, released, upto), upto)
-        self._pump(0.0)
+        b = _range_packets(self, indices, values, upto, "round")
+        if b is not None:
+            self._append(b, upto)
+            self._pump(0.0)
 
     def finish(self) -> tuple[np.ndarray, np.ndarray]:
         """Wait for every partition's result: (indices u32, sums int32), like allreduce_sparse."""
@@ -103,15 +105,9 @@ class SparseStream(Round):
     def send(self, indices, values, upto: int) -> None:
         """Hand over partitions ``[released, upto)`` with this host's entries in them (sorted
         unique u32 indices inside those partitions; int32 values)."""
-        released = self.eng.released
-        if not released <= upto <= self.P:
-            raise DosaError(f"stream: partitions must be handed over in order; {released} "
-                            f"are out, asked up to {upto} of {self.P}")
-        if upto == released:
-            if len(indices):
-                raise DosaError("stream: entries given for partitions already sent")
+        b = _range_packets(self, indices, values, upto, "stream")
+        if b is None:
             return
-        b = _range_packets(self, indices, values, released, upto)
         with self._lock:
             if self._error is not None:
                 raise DosaError(f"stream: the round already failed: {self._error}")

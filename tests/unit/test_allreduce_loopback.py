@@ -72,19 +72,28 @@ def run_all(clients, fn):
     return out, errs
 
 
+def random_inputs(rng, numel, workers, n, bound=10**6):
+    """Per worker: n sorted unique u32 indices below numel, int32 values in [-bound, bound)."""
+    return [(np.sort(rng.choice(numel, n, replace=False)).astype(np.uint32),
+             rng.integers(-bound, bound, n).astype(np.int32)) for _ in range(workers)]
+
+
+def exact_total(numel, ins):
+    """The exact int64 sum of every worker's (indices, values) over the index space."""
+    total = np.zeros(numel, np.int64)
+    for idx, q in ins:
+        np.add.at(total, idx.astype(np.int64), q)
+    return total
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["sum", "gtopk"])
 def test_sparse_allreduce_over_loopback_is_exact(cluster, mode):
     job, cs = cluster(mode=mode)
     rng = np.random.default_rng(5)
     for _ in range(3):
-        ins = []
-        for _w in range(4):
-            idx = np.sort(rng.choice(job.numel, 1500, replace=False)).astype(np.uint32)
-            ins.append((idx, rng.integers(-10**6, 10**6, 1500).astype(np.int32)))
-        total = np.zeros(job.numel, np.int64)
-        for idx, q in ins:
-            np.add.at(total, idx.astype(np.int64), q)
+        ins = random_inputs(rng, job.numel, 4, 1500)
+        total = exact_total(job.numel, ins)
         out, errs = run_all(cs, lambda i, c: c.allreduce_sparse(*ins[i], 8))
         assert errs == [None] * 4
         for ridx, sums in out:
@@ -113,9 +122,7 @@ def test_mtu_and_dense_runs_round_trip_exactly(cluster, mtu):
     for w in range(4):
         idx = np.unique(np.r_[rng.choice(job.numel, 800, replace=False), np.arange(40960, 40960 + 7000)])
         ins.append((idx.astype(np.uint32), rng.integers(-10**6, 10**6, len(idx)).astype(np.int32)))
-    total = np.zeros(job.numel, np.int64)
-    for idx, q in ins:
-        np.add.at(total, idx.astype(np.int64), q)
+    total = exact_total(job.numel, ins)
     out, errs = run_all(cs, lambda i, c: c.allreduce_sparse(*ins[i], 8))
     assert errs == [None] * 4
     for ridx, sums in out:
@@ -206,13 +213,8 @@ def test_a_round_fed_range_by_range_is_exact_and_refuses_ranges_out_of_order(clu
     job, cs = cluster(workers=3, dpus=2)
     P = job.pmap.num_partitions
     rng = np.random.default_rng(9)
-    ins = []
-    for _w in range(3):
-        idx = np.sort(rng.choice(job.numel, 2000, replace=False)).astype(np.uint32)
-        ins.append((idx, rng.integers(-10**6, 10**6, 2000).astype(np.int32)))
-    total = np.zeros(job.numel, np.int64)
-    for idx, q in ins:
-        np.add.at(total, idx.astype(np.int64), q)
+    ins = random_inputs(rng, job.numel, 3, 2000)
+    total = exact_total(job.numel, ins)
     cuts = [0, 1, P // 2, P]
 
     def fed(i, c):
@@ -251,11 +253,8 @@ def test_a_host_whose_path_refuses_gso_falls_back_in_the_round_engine_and_loses_
     job, cs = cluster(workers=2, dpus=1)
     cs[1].ep.sock.setsockopt(socket.SOL_SOCKET, 11, 1)  # SO_NO_CHECK
     rng = np.random.default_rng(12)
-    ins = [(np.sort(rng.choice(job.numel, 3000, replace=False)).astype(np.uint32),
-            rng.integers(-1000, 1000, 3000).astype(np.int32)) for _ in range(2)]
-    total = np.zeros(job.numel, np.int64)
-    for idx, q in ins:
-        np.add.at(total, idx.astype(np.int64), q)
+    ins = random_inputs(rng, job.numel, 2, 3000, bound=1000)
+    total = exact_total(job.numel, ins)
     with caplog.at_level(logging.WARNING, logger="dosa.net"):
         for _ in range(2):
             out, errs = run_all(cs, lambda i, c: c.allreduce_sparse(*ins[i], 8))
