@@ -110,6 +110,29 @@ def sampled_threshold(a: np.ndarray, k: int, *, rng: np.random.Generator,
     return _quantile_threshold(_sample(a, k, rng, residual), k / len(a))
 
 
+def collect_above(a: np.ndarray, t: float, cap: int, *, residual_out: np.ndarray | None = None,
+                  offset: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+    """Every entry with ``|a| >= t`` (``|a + r|`` with ``residual_out`` r, which the same pass sets
+    to ``r + a``): (indices u32 ascending, values f32, passes). One pass of host_lib._select into
+    room for ``cap`` hits; more hits than that are all collected by a second pass over what the
+    first left (pages not written are never touched, so a generous ``cap`` costs little).
+    Non-finite entries raise ValueError naming the first (its index + ``offset``: ``a`` may be a
+    slice of the gradient)."""
+    idx, val = np.empty(cap, np.uint32), np.empty(cap, np.float32)
+    if residual_out is not None:
+        c, bad, first = add_select_abs_ge(residual_out, a, t, idx, val)
+        src = residual_out
+    else:
+        c, bad, first = select_abs_ge(a, t, idx, val)
+        src = a
+    _raise_nonfinite(bad, first + offset)
+    if c <= cap:
+        return idx[:c], val[:c], 1
+    idx, val = np.empty(c, np.uint32), np.empty(c, np.float32)
+    c, _, _ = select_abs_ge(src, t, idx, val)
+    return idx[:c], val[:c], 2
+
+
 def topk_fast(a: np.ndarray, k: int, *, rng: np.random.Generator | None = None, tolerance: float = 0.2,
               residual_out: np.ndarray | None = None, stats: FastStats | None = None,
               ) -> tuple[np.ndarray, np.ndarray]:
@@ -127,54 +150,32 @@ def topk_fast(a: np.ndarray, k: int, *, rng: np.random.Generator | None = None, 
                                      or not residual_out.flags.c_contiguous):
         raise ValueError("residual_out must be a C-contiguous float32 array of the gradient's length")
     if k <= 0 or n == 0:
-        if residual_out is not None:
-            _, bad, first = add_select_abs_ge(residual_out, a, np.inf, np.zeros(0, np.uint32),
-                                              np.zeros(0, np.float32))
-            _raise_nonfinite(bad, first)
+        if residual_out is not None:  # r += a all the same (and its check)
+            collect_above(a, np.inf, 0, residual_out=residual_out)
         else:
             check_finite(a)
         return np.zeros(0, np.uint32), np.zeros(0, np.float32)
 
     if k >= n:  # density 1: everything, zeros included (t = -1 selects every finite entry)
-        idx, val = np.empty(n, np.uint32), np.empty(n, np.float32)
-        if residual_out is not None:
-            c, bad, first = add_select_abs_ge(residual_out, a, -1.0, idx, val)
-        else:
-            c, bad, first = select_abs_ge(a, -1.0, idx, val)
-        _raise_nonfinite(bad, first)
-        stats.passes, stats.trimmed, stats.candidates, stats.threshold = 1, False, c, 0.0
+        idx, val, _ = collect_above(a, -1.0, n, residual_out=residual_out)
+        stats.passes, stats.trimmed, stats.candidates, stats.threshold = 1, False, len(idx), 0.0
         return idx, val
 
     frac = k / n
     sample = _sample(a, k, rng, residual_out)
     t = _quantile_threshold(sample, frac)
     cap = int(k * (1 + tolerance)) + 1024
-    idx = np.empty(cap, np.uint32)
-    val = np.empty(cap, np.float32)
-    if residual_out is not None:
-        c, bad, first = add_select_abs_ge(residual_out, a, t, idx, val)
-        _raise_nonfinite(bad, first)
-        src = residual_out  # from here on, select from a + r, which now lives in r
-    else:
-        c, bad, first = select_abs_ge(a, t, idx, val)
-        _raise_nonfinite(bad, first)
-        src = a
-    stats.passes = 1
+    idx, val, passes = collect_above(a, t, cap, residual_out=residual_out)
+    src = residual_out if residual_out is not None else a  # a + r lives in r from here on
     lo_ok = int(np.floor(k * (1 - tolerance)))
-    if c < lo_ok:
+    if len(idx) < lo_ok:
         # Too few: lower the threshold (aim at 2k, enough margin for a 4-sigma sampling miss) and
         # collect again; the trim below brings it back to k.
-        t = _quantile_threshold(sample, min(1.0, 2 * frac * max(1.0, k / max(c, 1))))
-        idx = np.empty(max(cap, 4 * k + 1024), np.uint32)
-        val = np.empty(len(idx), np.float32)
-        c, _, _ = select_abs_ge(src, t, idx, val)
-        stats.passes = 2
-    if c > len(idx):  # more hits than the buffer: collect them all (rare; threshold far too low)
-        idx = np.empty(c, np.uint32)
-        val = np.empty(c, np.float32)
-        c, _, _ = select_abs_ge(src, t, idx, val)
-        stats.passes += 1
-    idx, val = idx[:c], val[:c]
+        t = _quantile_threshold(sample, min(1.0, 2 * frac * max(1.0, k / max(len(idx), 1))))
+        idx, val, more = collect_above(src, t, max(cap, 4 * k + 1024))
+        passes += more
+    c = len(idx)
+    stats.passes = passes
     stats.candidates = c
     stats.trimmed = False
     if c > k * (1 + tolerance) or (stats.passes > 1 and c > k):

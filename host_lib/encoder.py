@@ -38,10 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from host_lib.compress import (FAST_MIN_NUMEL, METHODS, FastStats, sample_size, sampled_threshold,
-                               select_topk, target_k)
-from host_lib._select import (add_dequantized, add_select_abs_ge, missing_from_sorted,
-                              quantize_to_residual, select_abs_ge)
+from host_lib.compress import (FAST_MIN_NUMEL, METHODS, FastStats, collect_above, sample_size,
+                               sampled_threshold, select_topk, target_k)
+from host_lib._select import add_dequantized, missing_from_sorted, quantize_to_residual
 from host_lib.quantize import _check_scale, clip_bound, dequantize, quantize
 
 BACKENDS = ("auto", "numpy", "torch")
@@ -149,12 +148,7 @@ class RoundEncoder:
             idx, vals = select_topk(gn, self.density, self.method, rng=self.rng,
                                     residual_out=rn, stats=self.stats)
             if self.u is None:
-                # steps 4-6 in one Cython pass over the selected entries (quantize's numbers;
-                # -1: a clip or NaN, which the general path below handles and reports)
-                idx_out, q_out = np.empty(len(idx), np.uint32), np.empty(len(idx), np.int32)
-                c = quantize_to_residual(idx, vals, s, float(clip_bound(self.workers)), rn, idx_out, q_out)
-                if c >= 0:
-                    return EncodedRound(idx_out[:c], q_out[:c], s)
+                return EncodedRound(*_quantize_numpy(idx, vals, s, self.workers, rn), s)
             idx_dev = torch.from_numpy(idx.astype(np.int64))
         else:
             idx_dev, vals_dev = _select_torch(self.r, g, target_k(self.numel, self.density),
@@ -200,33 +194,17 @@ class RoundEncoder:
             return
         gn, rn = g.numpy(), self.r.numpy()
         t = sampled_threshold(gn, k, rng=self.rng, residual=rn)
-        clip = float(clip_bound(self.workers))
         self.stats.threshold, self.stats.passes, self.stats.trimmed = t, 1, False
         self.stats.candidates = 0
         for lo, hi in bounds:
             # room for every hit the whole gradient is expected to have: one range may hold most of
-            # them (a layer of large gradients), and a pass that runs out of room finishes in the
-            # kernel's scalar path (pages not written are never touched)
-            cap = min(hi - lo, int(k * 1.5) + 4096)
-            idx, val = np.empty(cap, np.uint32), np.empty(cap, np.float32)
-            c, bad, first = add_select_abs_ge(rn[lo:hi], gn[lo:hi], t, idx, val)
-            if bad:  # (ranges before this one may be on their way: a NaN stops the round there)
-                raise ValueError(f"gradient has {bad} non-finite (NaN/Inf) entries, the first at "
-                                 f"index {lo + first}")
-            if c > cap:  # more hits than room: r holds g + r now, collect them all from it
-                idx, val = np.empty(c, np.uint32), np.empty(c, np.float32)
-                c, _, _ = select_abs_ge(rn[lo:hi], t, idx, val)
-            idx, val = idx[:c], val[:c]
-            self.stats.candidates += c
-            io, qo = np.empty(c, np.uint32), np.empty(c, np.int32)
-            m = quantize_to_residual(idx, val, s, clip, rn[lo:hi], io, qo)
-            if m >= 0:
-                yield lo, hi, EncodedRound(io[:m] + np.uint32(lo), qo[:m], s)
-                continue
-            q, rem = quantize(val, s, self.workers)  # a clip: the general rule
-            rn[lo:hi][idx] = rem
-            nz = q != 0
-            yield lo, hi, EncodedRound(idx[nz] + np.uint32(lo), q[nz], s)
+            # them (a layer of large gradients); more are collected by a second pass (a NaN raises:
+            # ranges before this one may be on their way, the round stops there)
+            idx, val, _ = collect_above(gn[lo:hi], t, min(hi - lo, int(k * 1.5) + 4096),
+                                        residual_out=rn[lo:hi], offset=lo)
+            self.stats.candidates += len(idx)
+            idx, q = _quantize_numpy(idx, val, s, self.workers, rn[lo:hi])
+            yield lo, hi, EncodedRound(idx + np.uint32(lo), q, s)
 
     def unapplied(self, sent: EncodedRound, result_indices) -> tuple[np.ndarray, np.ndarray]:
         """The part of ``sent`` whose indices are not in ``result_indices`` (what gtopk dropped):
@@ -292,6 +270,21 @@ class RoundEncoder:
         if self.backend == "numpy" and g.dtype != torch.float32:
             g = g.float()
         return g if g.is_contiguous() else g.contiguous()
+
+
+def _quantize_numpy(idx: np.ndarray, vals: np.ndarray, s: int, workers: int,
+                    r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 4-6 of the module docstring on a CPU residual ``r`` (numpy, indexed by ``idx``):
+    (indices, q) of the non-zero q, remainders stored in ``r``. One Cython pass with quantize's
+    numbers; a clip or a NaN (-1 from it) takes ``quantize``'s general rule, which reports a NaN."""
+    io, qo = np.empty(len(idx), np.uint32), np.empty(len(idx), np.int32)
+    c = quantize_to_residual(idx, vals, s, float(clip_bound(workers)), r, io, qo)
+    if c >= 0:
+        return io[:c], qo[:c]
+    q, rem = quantize(vals, s, workers)
+    r[idx] = rem
+    nz = q != 0
+    return idx[nz], q[nz]
 
 
 def _raise_nonfinite(a: torch.Tensor, what: str) -> None:
