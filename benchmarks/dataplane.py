@@ -130,7 +130,7 @@ def _baselines(entries, numel: int, ref: np.ndarray, repeat: int = 3) -> dict:
 def run(workers: int = 8, numel: int = 1 << 22, density: float = 0.05, rounds: int = 8,
         partition_size: int = wire.DEFAULT_PARTITION_SIZE, senders: int = 2, seed: int = 0,
         xdp_mode: str = "native", qdisc: bool = True, link_baseline: bool = True, log=print) -> dict:
-    from control.alloc import touched_list_cap
+    from control.alloc import pool_entries
     from control.controller import Controller
     from control.netns import run_in_netns
     from dataplane import loader
@@ -155,8 +155,7 @@ def run(workers: int = 8, numel: int = 1 << 22, density: float = 0.05, rounds: i
     ctl = Controller(inst)
     eps = []
     try:
-        stride = min(partition_size, numel)
-        slots = 2 * pmap.num_partitions * (stride + touched_list_cap(stride) // 4)  # sums + lists
+        slots = pool_entries(pmap.num_partitions, min(partition_size, numel))  # sums + lists
         ctl.attach("eth0", netns=lab.d, mode=xdp_mode,
                    config=LoadConfig(pool_slots=slots, pstate_slots=max(64, pmap.num_partitions),
                                      wstate_slots=max(1024, 2 * pmap.num_partitions * workers)))

@@ -61,6 +61,12 @@ def touched_list_cap(stride: int) -> int:
     return (stride // 4) & ~3
 
 
+def pool_entries(slots: int, stride: int) -> int:
+    """Pool entries (s64) ``slots`` aggregation slots of ``stride``-sum buffers take with their
+    touched lists: what to size a pool for (LoadConfig.pool_slots) so a job gets its lists."""
+    return SlotDemand(0, slots, stride, 1, touched_list_cap(stride)).pool
+
+
 @dataclass(frozen=True)
 class SlotDemand:
     """What one job asks of one DPU's dataplane."""

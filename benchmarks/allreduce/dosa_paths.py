@@ -504,16 +504,14 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
     (``args.link_rate`` on the host links, ``cpu_split``: hosts on one core, the DPU on the other),
     every host reading its input from ``workdir`` (benchmarks.allreduce's work folder) when given.
     Every round's result is checked against the exact reference on every host."""
+    from control.alloc import pool_entries
     from dosa.wire import DEFAULT_PARTITION_SIZE, PartitionMap
     from testbed.core import Testbed
 
     pm = PartitionMap(args.numel, DEFAULT_PARTITION_SIZE, args.dpus)
-    from control.alloc import touched_list_cap
-
-    # room for one buffer pair per owned partition (DOSA_BENCH_SLOTS up to every partition), each
+    # room for every owned partition's slot (DOSA_BENCH_SLOTS up to all of them), each buffer
     # with its touched list (docs/dataplane.md)
-    pitch = DEFAULT_PARTITION_SIZE + touched_list_cap(DEFAULT_PARTITION_SIZE) // 4
-    slots = max(1 << 22, 2 * len(pm.owned_by(0)) * pitch)
+    slots = max(1 << 22, pool_entries(len(pm.owned_by(0)), DEFAULT_PARTITION_SIZE))
     prefix = f"db{uuid.uuid4().hex[:5]}"
     tb = Testbed(prefix=prefix, subnet="10.231.99.0/24", services=_services(slots),
                  state_dir=tempfile.mkdtemp(prefix="dosa-bench-state-"))

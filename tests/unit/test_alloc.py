@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from control.alloc import AdmissionError, SlotDemand, admit, first_fit, touched_list_cap
+from control.alloc import AdmissionError, SlotDemand, admit, first_fit, pool_entries, touched_list_cap
 
 CAP = {"pool": 1 << 20, "pstate": 256, "wstate": 4096}
 EMPTY = {"pool": [], "pstate": [], "wstate": []}
@@ -16,6 +16,15 @@ def test_a_demand_is_slots_times_two_buffers():
     assert (d.pool, d.pstate, d.wstate) == (16 * 2 * 65536, 16, 16 * 2 * 4)
     d = SlotDemand(job_id=1, slots=16, stride=65536, workers=4, list_cap=touched_list_cap(65536))
     assert d.list_cap == 16384 and d.pitch == 65536 + 4096 and d.pool == 16 * 2 * d.pitch
+    assert pool_entries(16, 65536) == d.pool
+
+
+def test_the_default_pool_holds_two_default_jobs_with_their_touched_lists():
+    from dataplane.loader import DEFAULT_POOL_SLOTS
+    from dosa.job import DEFAULT_SLOTS
+    from dosa.wire import DEFAULT_PARTITION_SIZE
+
+    assert DEFAULT_POOL_SLOTS == 2 * pool_entries(DEFAULT_SLOTS, DEFAULT_PARTITION_SIZE)
 
 
 def test_touched_lists_hold_a_quarter_of_the_buffer_in_whole_pool_entries():
