@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from dataplane.layout import buffer_pitch
 from dosa.errors import DosaError
 
 
@@ -80,7 +81,7 @@ class SlotDemand:
     @property
     def pitch(self) -> int:
         """Pool entries per buffer: its sums, then its touched list packed 4 offsets an entry."""
-        return self.stride + self.list_cap // 4
+        return buffer_pitch(self.stride, self.list_cap)
 
     @property
     def pool(self) -> int:

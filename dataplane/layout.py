@@ -63,6 +63,13 @@ COMPLETION_DTYPE = np.dtype(Completion_)
 assert PSTATE_DTYPE.itemsize == 56 and WSTATE_DTYPE.itemsize == 48 and COMPLETION_DTYPE.itemsize == 16
 
 
+def buffer_pitch(stride: int, list_cap: int) -> int:
+    """Pool entries of one aggregation buffer (struct dosa_job): its ``stride`` s64 sums, then its
+    touched list, ``list_cap`` u16 offsets packed 4 per entry (dosa_xdp.c locate() computes the
+    same)."""
+    return stride + list_cap // 4
+
+
 def c_defines() -> str:
     """C text of the constants above the program shares with user space."""
     return f"#define DOSA_SCALE_TAG_BIAS {SCALE_TAG_BIAS}\n"

@@ -85,7 +85,7 @@ class JobInfo:
     def pitch(self) -> int:
         """Pool entries per buffer: its ``stride`` sums, then its touched list (``list_cap`` u16
         offsets, 4 per entry)."""
-        return self.stride + self.list_cap // 4
+        return layout.buffer_pitch(self.stride, self.list_cap)
 
     @property
     def pool_len(self) -> int:
