@@ -271,7 +271,8 @@ def packetize_partition_result(indices, sums, *, job_id: int, partition: int, ro
         raise ValueError(f"partition {partition} outside 0..{wire.MAX_PARTITIONS - 1}")
     lo = bounds[0] if bounds is not None else (int(indices[0]) if len(indices) else 0)
     return _build_sparse(PacketType.SPARSE_RESULT, indices, sums, np.array([0], np.int64),
-                         np.array([len(indices)], np.int64), np.array([partition], np.int64), np.array([lo], np.int64), job_id=job_id,
+                         np.array([len(indices)], np.int64), np.array([partition], np.int64),
+                         np.array([lo], np.int64), job_id=job_id,
                          worker_id=DPU_SENDER_ID, round=round, scale_exp=scale_exp, flags=flags,
                          dest_of_part=np.array([dest], np.int64), mtu=mtu, encoding=encoding)
 

@@ -123,10 +123,6 @@ class UdpEndpoint:
         """Segments a GSO datagram (0: one datagram per packet)."""
         return int(self.gso[0])
 
-    @gso_segs.setter
-    def gso_segs(self, n: int) -> None:
-        self.gso[0] = n
-
     def gso_refused(self) -> None:
         """Say once that the path refused GSO (the send loop, dosa/_net.pyx, has already gone on
         with one datagram per packet)."""
