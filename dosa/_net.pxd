@@ -68,6 +68,10 @@ cdef enum:
     MAX_GSO_BYTES = 65507  # largest UDP payload of one IPv4 datagram
     CTRL_SPACE = 32      # >= CMSG_SPACE(sizeof(int)), 8-aligned
     GRO_BUF = 65536      # one received datagram (GRO never builds more than 64 KB)
+    # an endpoint's counter slots (dosa.transport.UdpEndpoint.counters; _net.COUNTERS names them in
+    # this order), moved by send_batch's callers and by host_lib's round engine
+    C_SEND_CALLS = 0, C_SEND_DGRAMS, C_SENT_PACKETS, C_SENT_BYTES, C_RECV_CALLS, C_RECV_DGRAMS, \
+        C_RECV_PACKETS, C_RECV_BYTES, C_TRUNCATED, N_COUNTERS
 
 cdef double now() noexcept nogil
 cdef int wait_fd(int fd, short events, double deadline) noexcept nogil

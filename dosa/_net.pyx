@@ -32,6 +32,11 @@ MAX_GSO_SEGMENTS = 64
 SOL_UDP = SOL_UDP_
 UDP_SEGMENT = UDP_SEGMENT_
 UDP_GRO = UDP_GRO_
+#: an endpoint's counter slots in order (the C_* slots of dosa/_net.pxd): dosa.transport's
+#: UdpEndpoint.counters holds one int64 for each, host_lib's round engine adds to the same array
+COUNTERS = ("send_calls", "send_datagrams", "sent_packets", "sent_bytes", "recv_calls",
+            "recv_datagrams", "recv_packets", "recv_bytes", "truncated")
+assert len(COUNTERS) == N_COUNTERS and COUNTERS.index("truncated") == C_TRUNCATED
 
 
 cdef double now() noexcept nogil:

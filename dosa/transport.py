@@ -27,6 +27,7 @@ from dosa.wire import PacketBatch
 from . import _net
 
 log = logging.getLogger("dosa.net")
+_C = {name: i for i, name in enumerate(_net.COUNTERS)}  # counter slot by name
 
 #: Socket buffers asked for (SO_*BUFFORCE as root, else capped by net.core.*mem_max). A round of a
 #: 25M gradient at 1% is ~1800 packets a host; results fan out 4x that from a DPU.
@@ -84,7 +85,7 @@ class UdpEndpoint:
         self._src_port = np.zeros(recv_slots, np.uint16)
         #: what went through this socket, one int64 slot per name of COUNTERS (host_lib's round
         #: engine adds to the same array when it sends and receives on this socket itself)
-        self.counters = np.zeros(len(self.COUNTERS), np.int64)
+        self.counters = np.zeros(len(_net.COUNTERS), np.int64)
         self.msock = None
         can = batching()
         #: segments a GSO datagram (0: none), in an array the round engine shares: the send loop
@@ -99,23 +100,25 @@ class UdpEndpoint:
             except OSError as e:
                 log.info("UDP GRO refused on %s:%d (%s): one datagram per recvmmsg slot",
                          *bind, e.strerror or e)
-        self._send_ctr = self.counters[0:2]  # (system calls, datagrams): _net.send_batch's layout
-        self._recv_ctr = self.counters[4:6]
+        # (system calls, datagrams): the pairs _net.send_batch and recv_batch add to
+        self._send_ctr = self.counters[_C["send_calls"]:_C["send_datagrams"] + 1]
+        self._recv_ctr = self.counters[_C["recv_calls"]:_C["recv_datagrams"] + 1]
 
-    #: the slots of ``counters``, in order (host_lib._engine's C_* slots are the same)
-    COUNTERS = ("send_calls", "send_datagrams", "sent_packets", "sent_bytes", "recv_calls",
-                "recv_datagrams", "recv_packets", "recv_bytes", "truncated")
+    #: the slots of ``counters``, in order (one definition, dosa/_net.pxd, for host_lib's engine too)
+    COUNTERS = _net.COUNTERS
 
-    def _counter(i: int, doc: str):  # noqa: N805 - a property factory used in the class body
+    def _counter(name: str, doc: str):  # noqa: N805 - a property factory used in the class body
+        i = _C[name]
         return property(lambda self: int(self.counters[i]), doc=doc)
 
-    send_calls = _counter(0, "sendmmsg system calls")
-    send_datagrams = _counter(1, "datagrams handed to the kernel (a GSO datagram carries many packets)")
-    sent_packets = _counter(2, "dosa packets sent")
-    sent_bytes = _counter(3, "bytes of the dosa packets sent (UDP payload)")
-    recv_packets = _counter(6, "packets received (truncated ones included)")
-    recv_bytes = _counter(7, "bytes received")
-    truncated = _counter(8, "datagrams longer than a receive slot, dropped")
+    send_calls = _counter("send_calls", "sendmmsg system calls")
+    send_datagrams = _counter("send_datagrams",
+                              "datagrams handed to the kernel (a GSO datagram carries many packets)")
+    sent_packets = _counter("sent_packets", "dosa packets sent")
+    sent_bytes = _counter("sent_bytes", "bytes of the dosa packets sent (UDP payload)")
+    recv_packets = _counter("recv_packets", "packets received (truncated ones included)")
+    recv_bytes = _counter("recv_bytes", "bytes received (of the packets not truncated)")
+    truncated = _counter("truncated", "datagrams longer than a receive slot, dropped")
     del _counter
 
     @property
@@ -130,11 +133,11 @@ class UdpEndpoint:
 
     @property
     def recv_calls(self) -> int:
-        return int(self.counters[4]) + (self._gro.calls if self._gro is not None else 0)
+        return int(self.counters[_C["recv_calls"]]) + (self._gro.calls if self._gro is not None else 0)
 
     @property
     def recv_datagrams(self) -> int:
-        return int(self.counters[5]) + (self._gro.datagrams if self._gro is not None else 0)
+        return int(self.counters[_C["recv_datagrams"]]) + (self._gro.datagrams if self._gro is not None else 0)
 
     @property
     def gro(self) -> bool:
@@ -162,8 +165,8 @@ class UdpEndpoint:
                             self.gso, self._send_ctr)
         if had_gso and not self.gso_segs:
             self.gso_refused()
-        self.counters[2] += n
-        self.counters[3] += int(batch.lengths[rows[:n]].sum())
+        self.counters[_C["sent_packets"]] += n
+        self.counters[_C["sent_bytes"]] += int(batch.lengths[rows[:n]].sum())
         if n < len(rows):
             raise DosaError(f"send buffer stayed full for {timeout} s: {len(rows) - n} packets not sent")
         return n
@@ -238,13 +241,14 @@ class UdpEndpoint:
                 n = self._recv_fd(mfd, 0.0) or self._recv_fd(self.fd, 0.0)
         lengths = self._rx.lengths[:n]
         ok = lengths >= 0
-        self.counters[6] += n
+        self.counters[_C["recv_packets"]] += n
         if not ok.all():
-            self.counters[8] += int((~ok).sum())
+            self.counters[_C["truncated"]] += int((~ok).sum())
             keep = np.flatnonzero(ok)
+            self.counters[_C["recv_bytes"]] += int(lengths[keep].sum())
             b = PacketBatch(self._rx.data[keep], lengths[keep], self._rx.dest[keep])
             return b, self._src_ip[keep], self._src_port[keep]
-        self.counters[7] += int(lengths.sum())
+        self.counters[_C["recv_bytes"]] += int(lengths.sum())
         return (PacketBatch(self._rx.data[:n], lengths, self._rx.dest[:n]),
                 self._src_ip[:n], self._src_port[:n])
 

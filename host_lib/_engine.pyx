@@ -33,7 +33,9 @@ from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
-from dosa._net cimport (CTRL_SPACE, GRO_BUF, MSG_DONTWAIT, MSG_TRUNC, POLLIN, EWOULDBLOCK,
+from dosa._net cimport (C_RECV_CALLS, C_RECV_DGRAMS, C_RECV_PACKETS, C_RECV_BYTES, C_SEND_CALLS,
+                        C_SEND_DGRAMS, C_SENT_BYTES, C_SENT_PACKETS, C_TRUNCATED, N_COUNTERS,
+                        CTRL_SPACE, GRO_BUF, MSG_DONTWAIT, MSG_TRUNC, POLLIN, EWOULDBLOCK,
                         gro_prepare, gro_segment, iovec, mmsghdr, now, pollfd, recvmmsg, send_core,
                         sockaddr_in)
 
@@ -71,9 +73,6 @@ cdef extern from *:
 cdef enum:
     # pump() result bits
     F_DONE = 1, F_SIDE = 2, F_COMPLETED = 4, F_DEADLINE = 8, F_GSO_OFF = 16
-    # the endpoint's counter slots (dosa.transport.UdpEndpoint.counters) the engine moves
-    C_SEND_CALLS = 0, C_SEND_DGRAMS, C_SENT_PACKETS, C_SENT_BYTES, C_RECV_CALLS, C_RECV_DGRAMS, \
-        C_RECV_PACKETS, C_RECV_BYTES, C_TRUNCATED
     # stats slots: what the intake did with packets it did not take
     S_DUPLICATE = 0, S_OTHER, S_MALFORMED, S_SIDE_DROPPED
     # cpu slots: thread CPU seconds of the engine's phases
@@ -83,8 +82,6 @@ cdef enum:
 #: this call (``completed[:n_completed]``); the deadline passed; the path refused a GSO datagram
 #: (the engine sends one datagram per packet from now on)
 DONE, SIDE, COMPLETED, DEADLINE, GSO_OFF = F_DONE, F_SIDE, F_COMPLETED, F_DEADLINE, F_GSO_OFF
-#: ``counters`` slots, in order (dosa.transport.UdpEndpoint.COUNTERS names them)
-N_COUNTERS = 9
 #: ``stats`` slots, in order
 STATS = ("duplicate", "other", "malformed", "dropped")
 #: ``cpu`` slots, in order (thread CPU seconds)
@@ -114,7 +111,7 @@ cdef class RoundEngine:
         window: partitions in flight at most.
         gso: the endpoint's int64[1] GSO setting (dosa.transport.UdpEndpoint.gso: segments a
             datagram, 0 none), set to 0 by the send loop when the path refuses GSO.
-        counters: the endpoint's int64 counters (the C_* slots) the engine adds to.
+        counters: the endpoint's int64 counters (dosa._net.COUNTERS) the engine adds to.
         seed: non-zero: every send goes out in a random order (a test aid: reordering).
     """
 
@@ -197,8 +194,8 @@ cdef class RoundEngine:
                 raise ValueError("a partition's gate must come before it")
         self.ctr = counters
         self.gso = gso
-        if self.ctr.shape[0] < 9 or self.gso.shape[0] < 1:
-            raise ValueError("counters needs the 9 C_* slots, gso one")
+        if self.ctr.shape[0] < N_COUNTERS or self.gso.shape[0] < 1:
+            raise ValueError(f"counters needs the {N_COUNTERS} slots of dosa._net.COUNTERS, gso one")
         # any non-zero 64-bit state for xorshift64 (0 would stay 0)
         self.rng = ((int(seed) * 0x9E3779B97F4A7C15 + 1) & 0xFFFFFFFFFFFFFFFF) or 1 if seed else 0
         self.sent = np.zeros(P, np.uint8)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dosa import wire
+from dosa import _net, wire
 from dosa.packetizer import packetize_results, packetize_status
 from dosa.wire import HEADER_DTYPE, PacketBatch, PacketType, PartitionMap
 from host_lib import _engine
@@ -86,7 +86,7 @@ class Spec:
 def _engine_for(P: int) -> _engine.RoundEngine:
     eng = _engine.RoundEngine(P, PS, NUMEL, np.full(P, -1, np.int64), JOB, np.zeros(1, np.uint32),
                               np.zeros(1, np.uint16), 256, np.zeros(1, np.int64),
-                              np.zeros(_engine.N_COUNTERS, np.int64))
+                              np.zeros(len(_net.COUNTERS), np.int64))
     eng.begin(ROUND, SCALE, P)
     return eng
 
