@@ -481,37 +481,43 @@ class DpuWorker:
             # wait for a completion event or a packet, whichever comes first (at most 2 ms): a
             # completion frees an aggregation slot every host's window may be waiting for, so it
             # is taken at once rather than after a socket wait (docs/dataplane.md, *Slots*)
-            waited = self._wait_xdp(min(timeout, 0.002))
+            ready = self._wait_xdp(min(timeout, 0.002))
             comps = self.maps.poll_completions(0)
             if comps:
                 self._on_completions(comps)
-            timeout = 0.0 if waited else min(timeout, 0.002)
+            timeout = 0.0 if ready is not None else min(timeout, 0.002)
+            if ready is not None and not ready & self._sock_fds:
+                timeout = -1.0  # the sockets are empty: no recv this step
         now = time.monotonic()
         if self.jobs and now >= self._next_scan:
             self._next_scan = now + NACK_SCAN_S
             for rt in list(self.jobs.values()):
                 self.stats["nack_sent"] += rt.nack_scan(self.ep, now)
+        if timeout < 0:
+            return
         if self.jobs:
             timeout = min(timeout, NACK_SCAN_S)
         batch, src_ip, src_port = self.ep.recv(timeout)
         if len(batch):
             self.handle(batch, src_ip, src_port)
 
-    def _wait_xdp(self, timeout: float) -> bool:
-        """Block until the ring buffer or the socket is readable or ``timeout`` passed; False when
-        the maps offer no pollable fd (then the caller waits in recv as before)."""
+    def _wait_xdp(self, timeout: float) -> set | None:
+        """Block until the ring buffer or a socket is readable or ``timeout`` passed; returns the
+        readable fds (the step skips its recv when no socket is among them: in XDP mode the data
+        never reaches the sockets, and an empty recv costs more than the poll), or None when the
+        maps offer no pollable fd (then the caller waits in recv as before)."""
         if self._xdp_poll is None:
             fd = getattr(self.maps, "completion_fd", None)
             if fd is None:
-                return False
+                return None
             import select
 
+            self._sock_fds = {self.ep.sock.fileno(),
+                              *([self.ep.msock.fileno()] if self.ep.msock is not None else [])}
             self._xdp_poll = select.poll()
-            for f in (fd(), self.ep.sock.fileno(),
-                      *([self.ep.msock.fileno()] if self.ep.msock is not None else [])):
+            for f in (fd(), *self._sock_fds):
                 self._xdp_poll.register(f, select.POLLIN)
-        self._xdp_poll.poll(max(1, int(timeout * 1000)))
-        return True
+        return {f for f, _ in self._xdp_poll.poll(max(1, int(timeout * 1000)))}
 
     def _on_completions(self, comps) -> None:
         """Completion events from the dataplane, grouped by job and handled in arrival order."""

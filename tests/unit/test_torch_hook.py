@@ -6,11 +6,7 @@ import copy
 import json
 import math
 import os
-import subprocess
-import sys
-import time
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +17,6 @@ import torch.distributed as dist  # noqa: E402
 from host_lib import hook_codec  # noqa: E402
 from host_lib.torch_hook import DosaHookState, DosaUnavailableWarning, carry_over, dosa_hook  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------- validation
@@ -83,9 +78,11 @@ def test_next_scale_exp_uses_the_shared_rule_and_keeps_the_scale_on_an_empty_rou
 @pytest.fixture
 def one_rank_job(tmp_path):
     """A single-worker job served by a userspace DPU worker subprocess on loopback, and a
-    world-of-one Gloo process group in this process; both are torn down afterwards."""
-    from dosa.demo import free_port, stop_processes
+    world-of-one Gloo process group in this process; both are torn down afterwards, also when
+    setting up either fails."""
+    from dosa.demo import free_port
     from dosa.job import JobConfig
+    from userspace_dpus import userspace_dpu_workers
 
     model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5))
     numel = sum(p.numel() for p in model.parameters())
@@ -93,23 +90,13 @@ def one_rank_job(tmp_path):
                     dpus=[("127.0.0.1", free_port())], scale_exp=20)
     cfg = tmp_path / "job.json"
     cfg.write_text(json.dumps(job.to_dict()))
-    ready = tmp_path / "ready"
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "dosa", "dpu", "run", "--mode", "userspace", "--job-config", str(cfg),
-         "--addr", "127.0.0.1", "--port", str(job.dpus[0][1]), "--pid-file", str(ready)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        end = time.monotonic() + 30
-        while not ready.exists():
-            assert worker.poll() is None, worker.stderr.read().decode()
-            assert time.monotonic() < end, "DPU worker not ready"
-            time.sleep(0.05)
-        yield model, job, cfg
-    finally:
-        dist.destroy_process_group()
-        stop_processes([worker])
+    with userspace_dpu_workers([cfg], ready_timeout=30):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        try:
+            yield model, job, cfg
+        finally:
+            dist.destroy_process_group()
 
 
 def _factory(cfg):

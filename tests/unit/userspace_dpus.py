@@ -1,5 +1,5 @@
 """Userspace DPU workers as subprocesses on loopback, for the tests that run ranks against real
-workers (tests/unit/test_torch_hook_ranks.py, tests/unit/test_stream_exit.py)."""
+workers (tests/unit/test_torch_hook.py, test_torch_hook_ranks.py, test_stream_exit.py)."""
 from __future__ import annotations
 
 import contextlib
