@@ -196,9 +196,9 @@ def _barrier(folder: Path, tag: str, rank: int, workers: int) -> None:
 #: threshold for the whole gradient) and fed to the round at once (FedRound, this thread only), so
 #: the DPU merges range i while the hosts select range i + 1. Default 1: on the testbed the four
 #: hosts share one core and the overlap it buys is eaten by its cost (per range: a packetize call, a
-#: reload of the engine's packet table, a non-blocking pump): measured round by round in one run
-#: (4 hosts, 25M, unshaped), 1 / 4 / 8 ranges gave 204 / 210 / 196 ms and 196 / 206 / 200 ms, host
-#: CPU 36-38 / 40-41 / 42-44 ms a round.
+#: reload of the engine's packet table, a non-blocking pump): docs/performance.md has the A/B (4
+#: hosts, 25M, unshaped; 1 range 244.7 / 183.5 ms, 4 ranges 222.8 / 233.8 ms end to end, host CPU
+#: 38.4 / 35.1 against 43.3 / 42.8 ms a round).
 E2E_CHUNKS = 1
 
 
