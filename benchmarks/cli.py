@@ -1,4 +1,4 @@
-"""``dosa bench host | dataplane | allreduce | offload | train``: every benchmark's command line, in one place.
+"""``dosa bench host | dataplane | allreduce | offload | bigjob | recovery | afxdp | train``: every benchmark's command line, in one place.
 
 Each benchmark module is imported only when its command runs, so ``dosa --help`` stays fast and a
 benchmark's heavy dependencies (torch, bcc) are not needed to list them."""
@@ -21,6 +21,8 @@ def register_bench(bench_sub) -> None:
                      "a 110M-entry job on the testbed's default DPU memory, every round exact (root)")
     _register_module(bench_sub, "recovery",
                      "round time under loss/dup/reorder vs clean, and time to name a killed host (root)")
+    _register_module(bench_sub, "afxdp",
+                     "AF_XDP copy-mode sends against dosa's UDP GSO sends on a veth: rate, CPU a packet (root)")
     _register_module(bench_sub, "train",
                      "time to accuracy: dosa vs dense Gloo, DGC allgather and PowerSGD (testbed, root)")
 

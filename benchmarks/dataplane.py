@@ -38,7 +38,7 @@ def _ip(*args) -> str:
     return r.stdout
 
 
-class _Lab:
+class VethLab:
     """Two namespaces and a veth; ``close()`` removes them (also after a failure).
 
     ``qdisc``: a pfifo on the sender's veth. Without one (veth's default is noqueue) a burst larger
@@ -46,7 +46,7 @@ class _Lab:
     the veth stops its queue when the ring is full and the sender waits (backpressure, kernel 6.17+),
     which is what a NIC with flow control does."""
 
-    def __init__(self, qdisc: bool = True):
+    def __init__(self, qdisc: bool = True, mtu: int | None = None):
         tag = uuid.uuid4().hex[:6]
         self.h, self.d = f"dbh{tag}", f"dbd{tag}"
         self.made: list[str] = []
@@ -59,6 +59,8 @@ class _Lab:
             _ip("-n", self.h, "addr", "add", f"{HOST_IP}/24", "dev", "eth0")
             _ip("-n", self.d, "addr", "add", f"{DPU_IP}/24", "dev", "eth0")
             for ns in (self.h, self.d):
+                if mtu:
+                    _ip("-n", ns, "link", "set", "eth0", "mtu", str(mtu))
                 _ip("-n", ns, "link", "set", "eth0", "up")
             mac = json.loads(_ip("-j", "-n", self.d, "link", "show", "eth0"))[0]["address"]
             # a static neighbour: no ARP queue (which holds only a few packets) at the first burst
@@ -150,7 +152,7 @@ def run(workers: int = 8, numel: int = 1 << 22, density: float = 0.05, rounds: i
     nentries = sum(len(e[0]) for e in entries)
     base = _baselines(entries, numel, ref)
 
-    lab = _Lab(qdisc)
+    lab = VethLab(qdisc)
     inst = f"bench-{uuid.uuid4().hex[:6]}"
     ctl = Controller(inst)
     eps = []
