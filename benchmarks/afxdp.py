@@ -107,7 +107,7 @@ class _Counter:
         run_in_netns(ns, libbpf.xdp_attach, self.idx, fd, libbpf.XDP_FLAGS_DRV_MODE)
 
     def count(self) -> int:
-        return int(sum(self.bpf["frames"][0]))
+        return int(sum(self.bpf[b"frames"][0]))
 
     def close(self) -> None:
         try:
