@@ -98,11 +98,11 @@ class _Counter:
 
         self.ns, self._run, self._lib = ns, run_in_netns, libbpf
         try:
-            self.bpf = BPF(text=_COUNT_PROG, cflags=[f"-DPORT={PORT}"])
+            self.bpf = BPF(text=_COUNT_PROG.encode(), cflags=[f"-DPORT={PORT}"])
         except Exception as e:  # BCC raises a bare Exception; its compiler's words are on stderr
             raise DosaError(f"cannot build the receiver's XDP counter ({e}); `make setup` installs "
                             f"the kernel headers BCC needs") from None
-        fd = self.bpf.load_func("xdp_count", BPF.XDP).fd
+        fd = self.bpf.load_func(b"xdp_count", BPF.XDP).fd
         self.idx = run_in_netns(ns, socket.if_nametoindex, "eth0")
         run_in_netns(ns, libbpf.xdp_attach, self.idx, fd, libbpf.XDP_FLAGS_DRV_MODE)
 
