@@ -169,8 +169,7 @@ def _one(method: str, lab, counter: _Counter, senders: dict, exe: Path, dst_mac:
             "received_fraction": got / sent}
 
 
-def run(packets: int = 300_000, payload: int | None = None, mtu: int = 3500, repeat: int = 3,
-        log=print) -> dict:
+def run(packets: int = 300_000, payload: int | None = None, mtu: int = 3500, repeat: int = 3) -> dict:
     from dataplane import loader
     from dosa.progress import progress
 

@@ -20,7 +20,7 @@ def test_every_method_delivers_every_frame_and_leaves_nothing():
     from benchmarks import afxdp
 
     before = _netns()
-    r = afxdp.run(packets=20_000, repeat=1, log=lambda *_: None)
+    r = afxdp.run(packets=20_000, repeat=1)
     assert set(r["methods"]) == set(afxdp.METHODS)
     assert r["config"]["payload"] == 3500 - 28
     for m, x in r["methods"].items():
