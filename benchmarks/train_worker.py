@@ -18,6 +18,7 @@ everything on the wire, headers included) over the training steps. Rank 0 writes
 """
 # no `from __future__ import annotations`: DDP checks the hook annotations are real types
 import argparse
+import gc
 import json
 import math
 import os
@@ -274,6 +275,8 @@ def main(argv=None) -> None:
                            "retransmit_causes": d["retransmit_causes"]}
         with open(args.out, "w") as f:
             json.dump(rec, f)
+    del ddp  # DDP's reducer holds the process group: freed now, not at interpreter exit
+    gc.collect()
     dist.destroy_process_group()
 
 

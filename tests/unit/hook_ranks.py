@@ -5,6 +5,7 @@ argv: OUT_JSON then one ``name:dtype:overlap:job_config`` per configuration."""
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import sys
 
@@ -46,8 +47,10 @@ def main() -> None:
         state.close()
         report[name] = {"params": [p.detach().float().reshape(-1).tolist() for p in ddp.parameters()],
                         "stats": state.stats.as_dict(), "losses": losses}
+        del ddp, opt, state  # DDP's reducer holds the group: freed now, not at interpreter exit
     with open(out, "w") as f:
         json.dump(report, f)
+    gc.collect()
     dist.destroy_process_group()
 
 
