@@ -18,6 +18,7 @@ Launched like examples.train_digits (torchrun's variables); each rank writes ``-
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -138,6 +139,7 @@ def main(argv=None) -> int:
         runs = [run_mode(m, args, rank, world, progress=rank == 0 and not args.quiet)
                 for m in args.modes]
     finally:
+        gc.collect()  # the DDP modules (in reference cycles) are freed now, not at interpreter exit
         dist.destroy_process_group()
     with open(args.json.replace("{rank}", str(rank)), "w") as f:
         json.dump({"runs": runs}, f)
