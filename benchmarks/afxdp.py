@@ -173,7 +173,7 @@ def run(packets: int = 300_000, payload: int | None = None, mtu: int = 3500, rep
     from dataplane import loader
     from dosa.progress import progress
 
-    from benchmarks.dataplane import VethLab, _ip
+    from benchmarks.dataplane import VethLab
 
     loader.require_root("dosa bench afxdp")
     payload = payload or mtu - 28  # IPv4 + UDP headers: one frame of the MTU
@@ -185,7 +185,6 @@ def run(packets: int = 300_000, payload: int | None = None, mtu: int = 3500, rep
     counter, senders = None, {}
     try:
         exe = build_tx(tmp)
-        dst_mac = json.loads(_ip("-j", "-n", lab.d, "link", "show", "eth0"))[0]["address"]
         counter = _Counter(lab.d)
         senders = {"udp_gso": _udp_sender(lab, True, payload),
                    "udp_sendmmsg": _udp_sender(lab, False, payload)}
@@ -193,7 +192,7 @@ def run(packets: int = 300_000, payload: int | None = None, mtu: int = 3500, rep
         bar = progress(repeat * len(METHODS), "dosa bench afxdp", "run")
         for i in range(repeat):
             for m in METHODS:  # alternated, so a slow minute of the machine hits every method
-                runs[m].append(_one(m, lab, counter, senders, exe, dst_mac, payload, packets))
+                runs[m].append(_one(m, lab, counter, senders, exe, lab.dpu_mac, payload, packets))
                 bar.update(1, status=m)
         bar.close()
         gso_segs = senders["udp_gso"][0].gso_segs

@@ -62,7 +62,8 @@ class VethLab:
                 if mtu:
                     _ip("-n", ns, "link", "set", "eth0", "mtu", str(mtu))
                 _ip("-n", ns, "link", "set", "eth0", "up")
-            mac = json.loads(_ip("-j", "-n", self.d, "link", "show", "eth0"))[0]["address"]
+            #: the DPU end's MAC (a raw frame sender addresses it)
+            self.dpu_mac = mac = json.loads(_ip("-j", "-n", self.d, "link", "show", "eth0"))[0]["address"]
             # a static neighbour: no ARP queue (which holds only a few packets) at the first burst
             _ip("-n", self.h, "neigh", "replace", DPU_IP, "lladdr", mac, "dev", "eth0")
             if qdisc:

@@ -242,13 +242,12 @@ class UdpEndpoint:
         lengths = self._rx.lengths[:n]
         ok = lengths >= 0
         self.counters[_C["recv_packets"]] += n
+        self.counters[_C["recv_bytes"]] += int(lengths[ok].sum())
         if not ok.all():
             self.counters[_C["truncated"]] += int((~ok).sum())
             keep = np.flatnonzero(ok)
-            self.counters[_C["recv_bytes"]] += int(lengths[keep].sum())
             b = PacketBatch(self._rx.data[keep], lengths[keep], self._rx.dest[keep])
             return b, self._src_ip[keep], self._src_port[keep]
-        self.counters[_C["recv_bytes"]] += int(lengths.sum())
         return (PacketBatch(self._rx.data[:n], lengths, self._rx.dest[:n]),
                 self._src_ip[:n], self._src_port[:n])
 

@@ -486,14 +486,15 @@ class DpuWorker:
             if comps:
                 self._on_completions(comps)
             timeout = 0.0 if ready is not None else min(timeout, 0.002)
-            if ready is not None and not ready & self._sock_fds:
-                timeout = -1.0  # the sockets are empty: no recv this step
+            recv = ready is None or bool(ready & self._sock_fds)  # empty sockets: no recv this step
+        else:
+            recv = True
         now = time.monotonic()
         if self.jobs and now >= self._next_scan:
             self._next_scan = now + NACK_SCAN_S
             for rt in list(self.jobs.values()):
                 self.stats["nack_sent"] += rt.nack_scan(self.ep, now)
-        if timeout < 0:
+        if not recv:
             return
         if self.jobs:
             timeout = min(timeout, NACK_SCAN_S)

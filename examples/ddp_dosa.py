@@ -59,7 +59,7 @@ def main() -> None:
         "stats": {k: v for k, v in state.stats.as_dict().items() if not isinstance(v, list)}}), flush=True)
     # DDP's reducer holds the process group and the hook's state: drop it while the interpreter is
     # whole, so the group's Gloo threads are joined by destroy_process_group, not by a destructor
-    # at interpreter exit (which aborted ~1 run in 5: "terminate called without an active exception")
+    # at interpreter exit (which aborted 1 run in 6: "terminate called without an active exception")
     del ddp, opt
     gc.collect()
     dist.destroy_process_group()
