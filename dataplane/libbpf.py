@@ -4,48 +4,78 @@ Why not BCC's Python API: BCC only knows maps of a program *it* compiled in *thi
 DPU worker and a restarted control process open the pinned maps of a program some other process
 loaded, so they use libbpf directly: bpf_obj_get, map lookup/update/delete/next_key, ring buffers,
 BPF_PROG_TEST_RUN and XDP attach by ifindex. Every function raises OSError with errno on failure.
+The library is loaded at first use, not at import (a DosaError naming Debian's libbpf1 when it is
+absent): what imports this module without calling it runs on machines that have no libbpf.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 
-_lib = ctypes.CDLL("libbpf.so.1", use_errno=True)
-
-_lib.bpf_obj_get.argtypes = [ctypes.c_char_p]
-_lib.bpf_obj_get.restype = ctypes.c_int
-_lib.bpf_obj_pin.argtypes = [ctypes.c_int, ctypes.c_char_p]
-_lib.bpf_obj_pin.restype = ctypes.c_int
-_lib.bpf_map_lookup_elem.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-_lib.bpf_map_lookup_elem.restype = ctypes.c_int
-_lib.bpf_map_update_elem.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
-_lib.bpf_map_update_elem.restype = ctypes.c_int
-_lib.bpf_map_delete_elem.argtypes = [ctypes.c_int, ctypes.c_void_p]
-_lib.bpf_map_delete_elem.restype = ctypes.c_int
-_lib.bpf_map_get_next_key.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-_lib.bpf_map_get_next_key.restype = ctypes.c_int
-_lib.bpf_obj_get_info_by_fd.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32)]
-_lib.bpf_obj_get_info_by_fd.restype = ctypes.c_int
-_lib.bpf_xdp_attach.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p]
-_lib.bpf_xdp_attach.restype = ctypes.c_int
-_lib.bpf_xdp_detach.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p]
-_lib.bpf_xdp_detach.restype = ctypes.c_int
-_lib.bpf_xdp_query_id.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_uint32)]
-_lib.bpf_xdp_query_id.restype = ctypes.c_int
-_lib.libbpf_num_possible_cpus.argtypes = []
-_lib.libbpf_num_possible_cpus.restype = ctypes.c_int
+from dosa.errors import DosaError
 
 SAMPLE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-_lib.ring_buffer__new.argtypes = [ctypes.c_int, SAMPLE_FN, ctypes.c_void_p, ctypes.c_void_p]
-_lib.ring_buffer__new.restype = ctypes.c_void_p
-_lib.ring_buffer__poll.argtypes = [ctypes.c_void_p, ctypes.c_int]
-_lib.ring_buffer__poll.restype = ctypes.c_int
-_lib.ring_buffer__consume.argtypes = [ctypes.c_void_p]
-_lib.ring_buffer__consume.restype = ctypes.c_int
-_lib.ring_buffer__epoll_fd.argtypes = [ctypes.c_void_p]
-_lib.ring_buffer__epoll_fd.restype = ctypes.c_int
-_lib.ring_buffer__free.argtypes = [ctypes.c_void_p]
-_lib.ring_buffer__free.restype = None
+LIBRARY = "libbpf.so.1"
+
+
+class _NotLoaded:
+    """Stands for the library until its first use: importing this module (which the control
+    plane's CLI and the DPU worker's modules do) must work on a machine without libbpf, a training
+    host or a DPU running the userspace worker; only a BPF operation needs the library. The first
+    attribute looked up loads it and puts the real handle in ``_lib``."""
+
+    def __getattr__(self, name):
+        global _lib
+        _lib = _load()
+        return getattr(_lib, name)
+
+
+_lib = _NotLoaded()
+
+
+def _load() -> ctypes.CDLL:
+    """libbpf, its functions' signatures declared; a DosaError naming the package when it is absent."""
+    try:
+        lib = ctypes.CDLL(LIBRARY, use_errno=True)
+    except OSError as e:
+        raise DosaError(f"this needs the BPF library {LIBRARY} (install Debian's libbpf1 package: "
+                        f"apt-get install libbpf1), which cannot be loaded: {e}") from None
+    lib.bpf_obj_get.argtypes = [ctypes.c_char_p]
+    lib.bpf_obj_get.restype = ctypes.c_int
+    lib.bpf_obj_pin.argtypes = [ctypes.c_int, ctypes.c_char_p]
+    lib.bpf_obj_pin.restype = ctypes.c_int
+    lib.bpf_map_lookup_elem.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.bpf_map_lookup_elem.restype = ctypes.c_int
+    lib.bpf_map_update_elem.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
+    lib.bpf_map_update_elem.restype = ctypes.c_int
+    lib.bpf_map_delete_elem.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    lib.bpf_map_delete_elem.restype = ctypes.c_int
+    lib.bpf_map_get_next_key.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.bpf_map_get_next_key.restype = ctypes.c_int
+    lib.bpf_obj_get_info_by_fd.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32)]
+    lib.bpf_obj_get_info_by_fd.restype = ctypes.c_int
+    lib.bpf_xdp_attach.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p]
+    lib.bpf_xdp_attach.restype = ctypes.c_int
+    lib.bpf_xdp_detach.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p]
+    lib.bpf_xdp_detach.restype = ctypes.c_int
+    lib.bpf_xdp_query_id.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_uint32)]
+    lib.bpf_xdp_query_id.restype = ctypes.c_int
+    lib.libbpf_num_possible_cpus.argtypes = []
+    lib.libbpf_num_possible_cpus.restype = ctypes.c_int
+    lib.ring_buffer__new.argtypes = [ctypes.c_int, SAMPLE_FN, ctypes.c_void_p, ctypes.c_void_p]
+    lib.ring_buffer__new.restype = ctypes.c_void_p
+    lib.ring_buffer__poll.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.ring_buffer__poll.restype = ctypes.c_int
+    lib.ring_buffer__consume.argtypes = [ctypes.c_void_p]
+    lib.ring_buffer__consume.restype = ctypes.c_int
+    lib.ring_buffer__epoll_fd.argtypes = [ctypes.c_void_p]
+    lib.ring_buffer__epoll_fd.restype = ctypes.c_int
+    lib.ring_buffer__free.argtypes = [ctypes.c_void_p]
+    lib.ring_buffer__free.restype = None
+    lib.bpf_prog_test_run_opts.argtypes = [ctypes.c_int, ctypes.POINTER(TestRunOpts)]
+    lib.bpf_prog_test_run_opts.restype = ctypes.c_int
+    return lib
+
 
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1
 XDP_FLAGS_SKB_MODE = 2
@@ -140,10 +170,6 @@ class TestRunOpts(ctypes.Structure):
                 ("ctx_size_in", ctypes.c_uint32), ("ctx_size_out", ctypes.c_uint32),
                 ("retval", ctypes.c_uint32), ("repeat", ctypes.c_int), ("duration", ctypes.c_uint32),
                 ("flags", ctypes.c_uint32), ("cpu", ctypes.c_uint32), ("batch_size", ctypes.c_uint32)]
-
-
-_lib.bpf_prog_test_run_opts.argtypes = [ctypes.c_int, ctypes.POINTER(TestRunOpts)]
-_lib.bpf_prog_test_run_opts.restype = ctypes.c_int
 
 
 def _test_run(prog_fd: int, data: bytes, repeat: int) -> tuple[TestRunOpts, ctypes.Array]:
