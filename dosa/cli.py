@@ -137,6 +137,11 @@ def _main(argv: list[str] | None) -> int:
             raise
         print(f"dosa: {command} needs {_missing_package(e)}, which is not installed", file=sys.stderr)
         return 2
+    except OSError as e:  # a file it may not read or write (not root, a read-only directory)
+        if e.filename is None or isinstance(e, BrokenPipeError):
+            raise
+        print(f"dosa: {command}: {e.strerror or e}: {e.filename}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("dosa: interrupted", file=sys.stderr)
         return 130
