@@ -26,9 +26,13 @@ import shlex
 import subprocess
 import tarfile
 import tempfile
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as the tomli package (a dependency there)
+    import tomli as tomllib
 
 from dosa.env import RankEnv
 from dosa.errors import DosaError
