@@ -305,6 +305,7 @@ def _serve_credentials(args):
 def cmd_serve(args) -> int:
     from dataplane.loader import LoadConfig
 
+    from . import metrics  # noqa: F401  GET /metrics needs prometheus-client: missing, ctl serve says so now
     from .api import DEFAULT_CONTROL_PORT, ControlServer, ControlService
 
     secret, tls = _serve_credentials(args)
