@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 
 from dosa.auth import WINDOW_S, AuthError, Verifier
 
@@ -41,6 +42,10 @@ class Guard:
         except AuthError as e:
             self.refused(e.reason)
             raise
+
+    def now(self) -> float:
+        """The clock the timestamps are checked against (what a 401 "stale" tells the client)."""
+        return self.verifier.clock() if self.verifier is not None else time.time()
 
     def refused(self, reason: str) -> None:
         """Count a refused call (also the service's 403s: a member's session that does not match)."""

@@ -8,10 +8,11 @@ connections hold as many threads, and a slow sender holds one for ever. Here:
   connection is one thread); one more is answered 429 and closed at once, and counted
   (``on_refuse``; /metrics serves it);
 * each request (its line, headers and body) must arrive within ``request_s`` of the connection's
-  start or of the previous answer: a watchdog thread shuts down the connections that miss it
-  (idle kept-alive connections and slow senders alike), and each read has the same timeout.
-  While the service works on a request (a join waits up to its ``wait`` for the other workers)
-  no deadline runs (:meth:`BoundedHTTPServer.arm`);
+  start or of the previous answer: a watchdog thread shuts down the reading side of the
+  connections that miss it (idle kept-alive connections and slow senders alike; the handler can
+  still answer 408, :meth:`BoundedHTTPServer.expired`), and counts them. Each read also has a
+  timeout, a little longer, as a backstop. While the service works on a request (a join waits up
+  to its ``wait`` for the other workers) no deadline runs (:meth:`BoundedHTTPServer.arm`);
 * with ``tls`` (an ``ssl.SSLContext``), the handshake runs on the connection's own thread, under
   the same deadline, so a client that never finishes it holds no one else up.
 """
@@ -33,17 +34,18 @@ _WATCH_S = 0.25
 
 
 class _Slot:
-    __slots__ = ("sock", "deadline")
+    __slots__ = ("sock", "deadline", "expired")
 
     def __init__(self, sock, deadline):
         self.sock = sock
         self.deadline = deadline
+        self.expired = False
 
 
 class BoundedHTTPServer(HTTPServer):
     """An HTTPServer with one thread per connection, bounded, and deadlines (the module doc)."""
 
-    request_queue_size = 128
+    request_queue_size = 1024  # a burst of connections waits to be accepted (or refused) at once
 
     def __init__(self, address, handler, *, tls=None, max_connections: int = MAX_CONNECTIONS,
                  max_per_client: int = MAX_PER_CLIENT, request_s: float = REQUEST_S, on_refuse=None):
@@ -132,6 +134,12 @@ class BoundedHTTPServer(HTTPServer):
         slot = getattr(self._local, "slot", None)
         if slot is not None:
             slot.deadline = None if seconds is None else time.monotonic() + seconds
+            slot.expired = False
+
+    def expired(self) -> bool:
+        """The calling connection missed its deadline (its reading side is shut)."""
+        slot = getattr(self._local, "slot", None)
+        return slot is not None and slot.expired
 
     def _watch(self) -> None:
         while not self._closing.wait(_WATCH_S):
@@ -139,10 +147,10 @@ class BoundedHTTPServer(HTTPServer):
             with self._lock:
                 late = [s for s in self._slots if s.deadline is not None and s.deadline < now]
             for s in late:
-                s.deadline = None
+                s.deadline, s.expired = None, True
                 self.on_refuse("request_timeout")
                 try:  # the base class's: an SSLSocket's own shutdown would drop its TLS state
-                    socket.socket.shutdown(s.sock, socket.SHUT_RDWR)
+                    socket.socket.shutdown(s.sock, socket.SHUT_RD)
                 except OSError:
                     pass
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from http.server import BaseHTTPRequestHandler
 
 from dosa.auth import SCHEME, AuthError
@@ -104,7 +103,7 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def setup(self):
-        self.timeout = self.server.request_s  # each read; the server's watchdog bounds the whole
+        self.timeout = self.server.request_s + 5  # each read: a backstop, the watchdog bounds the whole
         super().setup()
 
     def handle(self):
@@ -132,6 +131,8 @@ class _Handler(BaseHTTPRequestHandler):
         """The stdlib's own errors (a malformed request line, headers too large, a method it has no
         handler for: 501 there, a JSON 405 here) as JSON; the connection is closed."""
         headers = ()
+        if self.request_version == "HTTP/0.9":  # garbage on the request line: still a status line
+            self.request_version = "HTTP/1.0"
         if code == 501:
             code, message = 405, f"method {str(self.command)[:20]!r} is not allowed"
             headers = (("Allow", "GET, POST, DELETE"),)
@@ -159,6 +160,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(413, f"request body of {n} bytes is larger than {MAX_BODY} bytes")
         data = self.rfile.read(n) if n else b""
         if len(data) < n:
+            if self.server.expired():
+                raise TimeoutError
             raise ConnectionError("the client closed the connection before the body ended")
         return data
 
@@ -175,6 +178,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _handle(self, method: str):
+        if self.server.expired():  # the request's line and headers were cut at the deadline
+            return self.send_error(408, self._late())
         read = False
         try:
             if method == "GET" and self.path.split("?")[0] == "/metrics":
@@ -190,7 +195,7 @@ class _Handler(BaseHTTPRequestHandler):
         except AuthError as e:
             body = {"error": str(e), "reason": e.reason}
             if e.reason == "stale":
-                body["server_time"] = time.time()
+                body["server_time"] = self.server.guard.now()  # the client signs again with it
             self._reply(e.status, body, close=not read,
                         headers=(("WWW-Authenticate", SCHEME),) if e.status == 401 else ())
         except ApiError as e:
@@ -202,13 +207,15 @@ class _Handler(BaseHTTPRequestHandler):
         except DosaError as e:
             self._reply(400, {"error": str(e)}, close=not read)
         except TimeoutError:
-            self._reply(408, {"error": f"the request did not arrive within {self.server.request_s:g} s"},
-                        close=True)
+            self._reply(408, {"error": self._late()}, close=True)
         except (ConnectionError, OSError):
             self.close_connection = True  # the client is gone
         except Exception as e:  # a bug: say so, keep serving
             log.exception("%s %s failed", method, self.path[:200])
             self._reply(500, {"error": f"internal error: {type(e).__name__}: {e}"}, close=not read)
+
+    def _late(self) -> str:
+        return f"the request did not arrive within {self.server.request_s:g} s"
 
     def do_GET(self):
         self._handle("GET")

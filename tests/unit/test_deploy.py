@@ -165,6 +165,15 @@ def test_dpu_service_command_lines_are_accepted_by_the_dosa_cli():
         assert callable(args.func)
         assert args.mode == "xdp" and args.addr == "10.77.0.201" and args.port == ctx.data_port
     assert parser.parse_args(services[0].argv[3:]).listen == ("10.77.0.201", 17800)
+    assert parser.parse_args(services[0].argv[3:]).insecure  # no secret given: said out loud
+    tls = DpuContext(index=1, iface="eth0", address="10.77.0.201", host_addrs=("10.77.0.10",), mode="xdp",
+                     pin_dir="/sys/fs/bpf/dosa/d1", run_dir="/run/dosa/dosa", secret_file="/k/dpu.secret",
+                     tls_cert="/k/d1.crt", tls_key="/k/d1.key", ca_file="/k/ca.crt")
+    ctl, worker = dpu_services(tls)
+    a = parser.parse_args(ctl.argv[3:])
+    assert (a.secret_file, a.insecure, a.tls_cert, a.tls_key, a.tls_ca) == \
+        ("/k/dpu.secret", False, "/k/d1.crt", "/k/d1.key", "/k/ca.crt")
+    assert ctl.env == worker.env == {"DOSA_CONTROL_CA": "/k/ca.crt"}
 
 
 def _tar_members(data: bytes) -> dict:
