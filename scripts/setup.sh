@@ -14,7 +14,7 @@ log() { echo "setup: $*"; }
 [ "$(id -u)" = 0 ] || die "must run as root (it installs Debian packages and needs BPF privileges)"
 
 # 1. Debian packages --------------------------------------------------------
-PKGS="python3-venv clang llvm python3-bpfcc libbpfcc bpfcc-tools linux-headers-amd64 iproute2 ethtool tcpdump bpftool iputils-ping openssh-server rsync tshark curl"
+PKGS="python3-venv clang llvm python3-bpfcc libbpfcc bpfcc-tools linux-headers-amd64 iproute2 ethtool tcpdump bpftool iputils-ping openssh-server rsync tshark curl openssl"
 missing=""
 for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then
