@@ -260,3 +260,62 @@ def test_a_tls_testbed_serves_only_https_with_its_own_ca_and_its_ranks_are_exact
         outs = [(tmp_path / "ranks" / f"rank{r}.out").read_text() for r in range(2)]
         errs = [(tmp_path / "ranks" / f"rank{r}.err").read_text()[-2000:] for r in range(2)]
         assert res.ok and all(f"EXACT {JOB}" in o for o in outs), (res.summary(), errs)
+
+
+# hold n idle connections to the control plane; report which were answered 429 and when the rest
+# were closed by the server
+IDLE = r"""
+import json, select, socket, sys, time
+addr, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+t0 = time.monotonic()
+socks = [socket.create_connection((addr, port), timeout=10) for _ in range(n)]
+print("OPEN", round(time.monotonic() - t0, 2), flush=True)
+refused, closed, waiting = 0, [], set(socks)
+while waiting and time.monotonic() < t0 + 25:
+    for s in select.select(list(waiting), [], [], 0.5)[0]:
+        data = s.recv(4096)
+        if data.startswith(b"HTTP/1.1 429 "):
+            refused += 1
+        elif data == b"":
+            closed.append(round(time.monotonic() - t0, 2))
+        waiting.discard(s)
+print(json.dumps({"refused": refused, "closed": len(closed), "first_closed": min(closed, default=None),
+                  "last_closed": max(closed, default=None), "still_open": len(waiting)}), flush=True)
+"""
+
+
+def test_hundreds_of_idle_connections_from_one_host_stall_no_one_else(tmp_path):
+    """300 idle connections from h0 to the DPU's control plane (its default limits: 160 from one
+    address, 10 s per request): 140 are answered 429 at once, 160 held and closed by the server
+    after 10 s; meanwhile h1 is answered at once, and /metrics counts both."""
+    import subprocess
+
+    with scratch_testbed(hosts=2, dpus=1, mode="userspace") as tb:
+        env = tb.job_env(0)
+        addr, port = env["DOSA_CONTROL_ADDR"], env["DOSA_CONTROL_PORT"]
+        url = f"http://{addr}:{port}"
+        p = tb.popen_in("h0", [sys.executable, "-c", IDLE, addr, port, "300"], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True)
+        try:
+            opened = p.stdout.readline()
+            assert opened.startswith("OPEN"), opened + p.stderr.read()
+            took = []
+            for _ in range(5):
+                t = time.monotonic()
+                code, ans = _curl(tb, "h1", "GET", f"{url}/v1/health")
+                took.append(time.monotonic() - t)
+                assert (code, ans) == (200, {"ok": True})
+            out, err = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        got = json.loads(out.strip().splitlines()[-1])
+        print(f"\nopened in {opened.split()[1]} s; h1's health answered in {max(took):.2f} s at most; {got}")
+        assert got["refused"] == 140 and got["closed"] == 160 and got["still_open"] == 0, (got, err)
+        assert 9.5 <= got["first_closed"] and got["last_closed"] <= 13, got
+        assert max(took) < 1.0, took  # a curl in a namespace, process start included
+        m = _metrics(tb, url)
+        assert m['dosa_control_dropped_connections_total{reason="too_many_connections"}'] == 140
+        assert m['dosa_control_dropped_connections_total{reason="request_timeout"}'] >= 160
+        assert _curl(tb, "h0", "GET", f"{url}/v1/health")[0] == 200  # h0 is served again
