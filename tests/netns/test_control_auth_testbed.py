@@ -102,8 +102,8 @@ def _signed(tb, node: str, ctl: str, method: str, path: str, body: dict | None =
     return json.loads(p.stdout)
 
 
-def _metrics(tb, url: str) -> dict[str, float]:
-    p = tb.exec_in("h1", ["curl", "-s", "-m", "10", f"{url}/metrics"], timeout=30)
+def _metrics(tb, url: str, *extra: str) -> dict[str, float]:
+    p = tb.exec_in("h1", ["curl", "-s", "-m", "10", *extra, f"{url}/metrics"], timeout=30)
     out = {}
     for line in p.stdout.splitlines():
         if line and not line.startswith("#"):
@@ -238,7 +238,8 @@ def test_every_refused_call_changes_nothing_and_the_running_job_stays_exact(tmp_
 
 
 def test_a_tls_testbed_serves_only_https_with_its_own_ca_and_its_ranks_are_exact(tmp_path):
-    with scratch_testbed(hosts=2, dpus=1, mode="userspace", tls=True) as tb:
+    """Two DPUs: the job's flows reach DPU 1 through DPU 0's peer calls, over HTTPS too."""
+    with scratch_testbed(hosts=2, dpus=2, mode="userspace", tls=True) as tb:
         env = tb.job_env(0)
         ctl = f"{env['DOSA_CONTROL_ADDR']}:{env['DOSA_CONTROL_PORT']}"
         ca = env["DOSA_CONTROL_CA"]
@@ -260,6 +261,11 @@ def test_a_tls_testbed_serves_only_https_with_its_own_ca_and_its_ranks_are_exact
         outs = [(tmp_path / "ranks" / f"rank{r}.out").read_text() for r in range(2)]
         errs = [(tmp_path / "ranks" / f"rank{r}.err").read_text()[-2000:] for r in range(2)]
         assert res.ok and all(f"EXACT {JOB}" in o for o in outs), (res.summary(), errs)
+        # DPU 1 learnt the job and its members from DPU 0's signed peer calls over HTTPS
+        m = _metrics(tb, f"https://{tb.job_env(0)['DOSA_DPU_ADDRS'].split(',')[1]}:{env['DOSA_CONTROL_PORT']}",
+                     "--cacert", ca)
+        assert m[f'dosa_worker_completions_total{{job_id="{JOB}"}}'] >= 5, m  # its partition, each round
+        assert m['dosa_control_refused_requests_total{reason="no_credential"}'] == 0
 
 
 # hold n idle connections to the control plane; report which were answered 429 and when the rest
