@@ -6,7 +6,7 @@ connections hold as many threads, and a slow sender holds one for ever. Here:
 
 * at most ``max_connections`` connections at once and ``max_per_client`` from one address (each
   connection is one thread); one more is answered 429 and closed at once, and counted
-  (``on_refuse``; /metrics serves it);
+  (``on_drop``; /metrics serves it);
 * each request (its line, headers and body) must arrive within ``request_s`` of the connection's
   start or of the previous answer: a watchdog thread shuts down the reading side of the
   connections that miss it (idle kept-alive connections and slow senders alike; the handler can
@@ -48,12 +48,12 @@ class BoundedHTTPServer(HTTPServer):
     request_queue_size = 1024  # a burst of connections waits to be accepted (or refused) at once
 
     def __init__(self, address, handler, *, tls=None, max_connections: int = MAX_CONNECTIONS,
-                 max_per_client: int = MAX_PER_CLIENT, request_s: float = REQUEST_S, on_refuse=None):
+                 max_per_client: int = MAX_PER_CLIENT, request_s: float = REQUEST_S, on_drop=None):
         self.tls = tls
         self.max_connections = max_connections
         self.max_per_client = max_per_client
         self.request_s = float(request_s)
-        self.on_refuse = on_refuse or (lambda reason: None)
+        self.on_drop = on_drop or (lambda reason: None)
         self._lock = threading.Lock()
         self._slots: set[_Slot] = set()
         self._per_client: collections.Counter = collections.Counter()
@@ -77,7 +77,7 @@ class BoundedHTTPServer(HTTPServer):
                 self._slots.add(slot)
                 self._per_client[ip] += 1
         if why is not None:
-            self.on_refuse("too_many_connections")
+            self.on_drop("too_many_connections")
             self._refuse(request, why)
             return
         try:
@@ -86,7 +86,7 @@ class BoundedHTTPServer(HTTPServer):
             t.start()
         except RuntimeError:  # no thread to be had: refuse rather than fail the accept loop
             self._release(slot, ip)
-            self.on_refuse("no_thread")
+            self.on_drop("no_thread")
             self._refuse(request, "the control plane cannot start another thread")
 
     def _refuse(self, sock, why: str) -> None:
@@ -148,7 +148,7 @@ class BoundedHTTPServer(HTTPServer):
                 late = [s for s in self._slots if s.deadline is not None and s.deadline < now]
             for s in late:
                 s.deadline, s.expired = None, True
-                self.on_refuse("request_timeout")
+                self.on_drop("request_timeout")
                 try:  # the base class's: an SSLSocket's own shutdown would drop its TLS state
                     socket.socket.shutdown(s.sock, socket.SHUT_RD)
                 except OSError:

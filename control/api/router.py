@@ -241,7 +241,7 @@ class ControlServer:
         self.guard = Guard()  # replaced below, once the port is known
         try:
             self.httpd = BoundedHTTPServer((host, port), handler, tls=tls,
-                                           on_refuse=lambda why: self.guard.dropped(why), **limits)
+                                           on_drop=lambda why: self.guard.dropped(why), **limits)
         except OSError as e:
             raise DosaError(f"cannot listen on {host}:{port}: {e.strerror}") from None
         self.service = service
