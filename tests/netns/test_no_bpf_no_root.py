@@ -8,9 +8,9 @@ real machine is left as it is:
 * ``no-libbpf``: root, but libbpf.so.1 is /dev/null (so BCC's libbcc, which links it, does not load
   either and ``import bcc`` fails), and /sys/fs/bpf is a tmpfs holding one fake pin (``fake22/prog``)
   so a command that believes a dataplane is loaded reaches the library and must name the package.
-* ``no-root``: uid/gid 65534 with no groups or capabilities (``setpriv``); a directory the venv's
-  interpreter or the checkout sits in that others may not enter (pyenv under /root here) is lent
-  to that user by a tmpfs over it with the needed entries bound back in, inside the namespace only.
+* ``no-root``: uid/gid 65534 with no groups or capabilities (``setpriv``); a directory on the way
+  to the venv's interpreter or the checkout that others may not enter (pyenv under /root here) is
+  made enterable inside the namespace only, by an overlay of itself whose root mode is changed.
 """
 from __future__ import annotations
 
@@ -49,29 +49,26 @@ mkdir -p /sys/fs/bpf/dosa/fake22 && touch /sys/fs/bpf/dosa/fake22/prog
 """
 
 
-def _lend_to_nobody(paths: list[str], save: str) -> str:
-    """Shell lines that make every path reachable for an unprivileged user inside the namespace:
-    each ancestor directory that others may not enter is covered by a tmpfs (mode 0755), and the
-    entries on the way to the paths are bound back into it. Top-down, so a nested one works too."""
-    blocked: dict[str, set[str]] = {}
+def _lend_to_nobody(paths: list[str], scratch: str) -> str:
+    """Shell lines that let an unprivileged user reach every path inside the namespace: each
+    directory on the way (the paths themselves too) that others may not enter gets an overlay of
+    itself (its upper layer on a tmpfs at ``scratch``) whose root is then made o+rx. Only the
+    namespace sees that mode; the files are the real ones. Top-down, so nested ones work too."""
+    dirs: list[str] = []
     for p in paths:
         parts = Path(p).parts
-        for i in range(1, len(parts) - 1):
+        for i in range(2, len(parts) + 1):
             d = os.path.join(*parts[:i])
-            if not os.stat(d).st_mode & stat.S_IXOTH:
-                blocked.setdefault(d, set()).add(parts[i])
-    lines, n = [], 0
-    for d in sorted(blocked, key=lambda x: len(Path(x).parts)):
-        saved = []
-        for child in sorted(blocked[d]):
-            n += 1
-            keep = f"{save}/{n}"
-            lines += [f"mkdir -p {keep}", f"mount --bind {shlex.quote(os.path.join(d, child))} {keep}"]
-            saved.append((child, keep))
-        lines.append(f"mount -t tmpfs -o mode=0755 tmpfs {shlex.quote(d)}")
-        for child, keep in saved:
-            target = shlex.quote(os.path.join(d, child))
-            lines += [f"mkdir -p {target}", f"mount --move {keep} {target}"]
+            if os.path.isdir(d) and not os.stat(d).st_mode & stat.S_IXOTH and d not in dirs:
+                dirs.append(d)
+    if not dirs:
+        return ""
+    lines = [f"mkdir -p {scratch}", f"mount -t tmpfs tmpfs {scratch}"]
+    for n, d in enumerate(sorted(dirs, key=lambda x: len(Path(x).parts))):
+        up, wk, q = f"{scratch}/u{n}", f"{scratch}/w{n}", shlex.quote(d)
+        lines += [f"mkdir {up} {wk}",
+                  f"mount -t overlay overlay -o lowerdir={q},upperdir={up},workdir={wk} {q}",
+                  f"chmod o+rx {q}"]
     return "\n".join(lines) + "\n"
 
 
@@ -110,8 +107,8 @@ class Confined:
             assert glob.glob(LIBBPF), f"no {LIBBPF} on this machine to hide"
             self.prelude, self.prefix = HIDE_BPF, []
         else:
-            need = [str(REPO), sys.prefix, os.path.realpath(sys.executable), str(work)]
-            self.prelude = _lend_to_nobody(need, f"/tmp/.dosa-lend-{os.getpid()}")
+            need = [os.path.realpath(p) for p in (REPO, sys.prefix, sys.executable, work)]
+            self.prelude = _lend_to_nobody(need, str(work / ".lend"))
             self.prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
 
     def argv(self, cmd: list[str]) -> list[str]:
