@@ -219,6 +219,7 @@ def test_host_side_commands_answer_and_bpf_commands_refuse_in_one_sentence(mode,
     try:
         _wait_port(api_port, server)
         answers([*dosa, "ctl", "job", "ls", "--control", f"127.0.0.1:{api_port}"], "no jobs")
+        refuses([*dosa, "ctl", "job", "rm", "--job", "99", "--control", f"127.0.0.1:{api_port}"])
     finally:
         err = _stop(server)
     assert "Traceback" not in err, err
