@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 try:
-    import tomllib
+    import tomllib  # novermin (tomli below on 3.10)
 except ModuleNotFoundError:  # Python 3.10: the same parser as the tomli package (a dependency there)
     import tomli as tomllib
 
