@@ -17,7 +17,7 @@ from pathlib import Path
 from dosa import wire
 from dosa.errors import DosaError, NeedsRoot
 
-from . import layout, libbpf, reasons
+from . import layout, libbpf
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "dosa_xdp.c"
@@ -148,9 +148,9 @@ def ensure_bpffs() -> None:
 
 
 def program_text() -> str:
-    """The C the kernel runs: the counter enum generated from reasons.py, the constants layout.py
-    shares with C, then dosa_xdp.c (which includes the dosa_wire.h generated from dosa/wire.py)."""
-    return reasons.c_enum() + layout.c_defines() + "\n" + SOURCE.read_text()
+    """The C the kernel runs: the constants layout.py shares with C, then dosa_xdp.c (which
+    includes the dosa_wire.h generated from dosa/wire.py, with the counter enum of dosa/counters.py)."""
+    return layout.c_defines() + "\n" + SOURCE.read_text()
 
 
 def bcc_class():
