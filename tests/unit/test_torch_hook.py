@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist  # noqa: E402
 
 from host_lib import hook_codec  # noqa: E402
-from host_lib.torch_hook import DosaHookState, DosaUnavailableWarning, carry_over, dosa_hook  # noqa: E402
+from host_lib.hook_encoders import carry_over  # noqa: E402
+from host_lib.torch_hook import DosaHookState, DosaUnavailableWarning, dosa_hook  # noqa: E402
 
 
 
