@@ -1,10 +1,10 @@
-"""Bad input on the command line is one sentence, never a traceback (dosa.cli._Parser,
+"""Bad input on the command line is one sentence, never a traceback (dosa.app.cli._Parser,
 dosa.net.parse_hostport)."""
 from __future__ import annotations
 
 import pytest
 
-from dosa.cli import main
+from dosa.app.cli import main
 from dosa.net import parse_hostport
 
 pytestmark = pytest.mark.timeout(60)

@@ -82,7 +82,7 @@ def one_rank_job(tmp_path):
     """A single-worker job served by a userspace DPU worker subprocess on loopback, and a
     world-of-one Gloo process group in this process; both are torn down afterwards, also when
     setting up either fails."""
-    from dosa.demo import free_port
+    from dosa.app.demo import free_port
     from dosa.job import JobConfig
     from userspace_dpus import userspace_dpu_workers
 

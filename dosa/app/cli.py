@@ -19,14 +19,14 @@ from dosa.errors import DosaError
 #: a training host or a DPU in userspace mode has no libbpf, BCC or pyroute2); ``dosa --help``
 #: imports them all, and lists one it cannot import with the reason instead of failing.
 COMMANDS = {
-    "capture": "dosa.capture_cli",
+    "capture": "dosa.app.capture_cli",
     "ctl": "control.cli",
     "testbed": "testbed.cli",
     "deploy": "testbed.cli",
     "dpu": "dpu_fw.cli",
     "offload": "dpu_fw.offload_cli",
     "bench": "benchmarks.cli",
-    "demo": "dosa.demo_cli",
+    "demo": "dosa.app.demo_cli",
 }
 COMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))
 

@@ -1,9 +1,9 @@
-"""``dosa demo``: see dosa/demo/ (its __init__ says what runs)."""
+"""``dosa demo``: see dosa/app/demo/ (its __init__ says what runs)."""
 from __future__ import annotations
 
 import json
 
-from dosa.demo import BACKENDS, DemoConfig
+from dosa.app.demo import BACKENDS, DemoConfig
 
 
 def register(sub) -> None:
@@ -41,7 +41,7 @@ def cmd_demo(args) -> int:
     import sklearn  # noqa: F401  the ranks train on its digits: missing, the demo says so before starting
     import torch  # noqa: F401
 
-    from dosa.demo import format_report, run_demo
+    from dosa.app.demo import format_report, run_demo
 
     cfg = DemoConfig(hosts=args.hosts, dpus=args.dpus, density=args.density, epochs=args.epochs,
                      batch_size=args.batch_size, warmup_steps=args.warmup_steps, seed=args.seed,

@@ -16,7 +16,7 @@ from typing import Callable
 
 from dosa.errors import DosaError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def free_port(kind: int = socket.SOCK_DGRAM) -> int:
