@@ -6,10 +6,10 @@ results on, ``None`` while worker ``w`` has not joined (only the control plane's
 incomplete jobs; hosts and DPU workers use complete ones). Partition p is owned by DPU
 ``p % len(dpus)``.
 
-The same job travels as JSON in three forms, each read back by one classmethod:
-:meth:`JobConfig.view` (what the control plane answers, :meth:`from_view`), :meth:`to_dict` (a job
-file, :meth:`from_dict` / :meth:`load`), and the ``DOSA_*`` environment of a rank
-(:meth:`from_env`, through :mod:`dosa.env` and the join API).
+The same job travels as JSON in two forms, each read back by one classmethod:
+:meth:`JobConfig.view` (what the control plane answers, :meth:`from_view`) and :meth:`to_dict` (a
+job file, :meth:`from_dict` / :meth:`load`). A rank's ``DOSA_*`` environment names a job file or
+the control plane to join through (:func:`dosa.join.join_view`, the one join from the environment).
 """
 from __future__ import annotations
 
@@ -181,21 +181,3 @@ class JobConfig:
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=1)
-
-    # ------------------------------------------------------------------------------ a rank's environment
-    @classmethod
-    def from_env(cls, numel: int | None = None, env=None, wait: float = 60.0, **shape) -> "JobConfig":
-        """The job a rank's ``DOSA_*`` environment names (``dosa testbed run`` and torchrun set it):
-        the file DOSA_JOB_CONFIG, else the job joined through the control plane at
-        DOSA_CONTROL_ADDR:DOSA_CONTROL_PORT (blocking until every worker joined; ``numel`` and
-        ``shape`` let the first joiner create it). See :class:`dosa.env.RankEnv`."""
-        from dosa import join
-        from dosa.env import RankEnv
-
-        e = RankEnv.parse(env)
-        if e.job_config:
-            return cls.load(e.job_config)
-        if e.control is None:
-            raise DosaError("no dosa job in the environment: set DOSA_CONTROL_ADDR/DOSA_CONTROL_PORT "
-                            "or DOSA_JOB_CONFIG")
-        return join.join(e.control, worker_id=e.rank, numel=numel, env=env, wait=wait, **shape)

@@ -77,3 +77,11 @@ def path_mtu(addr: str, port: int = 9) -> int | None:
             return int(s.getsockopt(socket.IPPROTO_IP, _IP_MTU))
     except (OSError, ValueError):
         return None
+
+
+def local_address_towards(addr: str) -> str:
+    """The local IPv4 address the kernel would use to reach ``addr`` (no packet is sent): the
+    address a host joins a job from when it names none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((addr, 9))
+        return s.getsockname()[0]

@@ -196,6 +196,11 @@ def test_no_module_imports_a_layer_above_its_own(graph):
 
 
 @pytest.mark.timeout(60)
+def test_no_modules_import_each_other_in_a_cycle(graph):
+    assert cycles(graph) == []
+
+
+@pytest.mark.timeout(60)
 def test_dpu_fw_does_not_import_host_lib(graph):
     assert forbidden_imports(edges_of(graph)) == []
 
