@@ -169,14 +169,14 @@ def join_view(control, worker_id: int | None = None, numel: int | None = None, *
     the ``DOSA_*`` variables ``dosa testbed run``, the deploy and torchrun set
     (:class:`dosa.env.RankEnv`; ``env``: a RankEnv, a mapping, None for ``os.environ``, ``{}`` for
     none): job_id <- DOSA_JOB_ID, address <- DOSA_HOST_ADDR (else the local address towards the
-    control plane), port <- DOSA_PORT (else the job's), workers <- WORLD_SIZE, dpus <-
+    control plane), port <- DOSA_PORT + LOCAL_RANK (else the job's), workers <- WORLD_SIZE, dpus <-
     DOSA_DPU_ADDRS. numel, workers, dpus and ``job_kw`` (mode, density, partition_size, scale_exp,
     slots, mtu, session...) let the first joiner create the job."""
     e = env if isinstance(env, RankEnv) else RankEnv.parse(env)
     job_id = e.job_id if job_id is None else job_id
     if job_id is None:
         raise DosaError("no job id: pass job_id or set DOSA_JOB_ID")
-    port = e.port if port is None else port
+    port = e.own_port if port is None else port  # DOSA_PORT + LOCAL_RANK: a node's ranks share its address
     if not address:
         address = e.host_addr or local_address_towards(_hostport(control).rpartition(":")[0])
     if workers is None:

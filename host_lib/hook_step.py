@@ -39,9 +39,12 @@ log = logging.getLogger(__name__)
 class _Step:
     """What the runner keeps while one step's buckets come in."""
 
-    def __init__(self, scale_exp: int | None, world: int):
+    def __init__(self, scale_exp: int | None, world: int, divisor: int | None = None):
         self.scale_exp = scale_exp
-        self.world = world
+        self.world = world  #: the dosa job's workers (the fixed point's clip bound)
+        #: the ranks whose gradients the sums hold (DDP averages over them): ``world``, or on
+        #: nodes of several ranks (host_lib.hook_node) nodes x ranks per node
+        self.divisor = world if divisor is None else divisor
         self.gtopk = False  #: the job's result mode is gtopk (known once the client is)
         self.offset = 0  #: where the next bucket starts in the job's index space
         self.buckets = 0
@@ -49,6 +52,8 @@ class _Step:
         self.hook_seconds = 0.0
         self.max_abs: list[float] = []  #: largest |sum| of each bucket's result (next round's scale)
         self.parked: list[tuple[int, torch.Tensor, torch.futures.Future]] = []
+        #: each parked bucket's encoder, when the caller keeps them (the node-aware hook's slices)
+        self.parked_encoders: dict[int, RoundEncoder] = {}
         self.stream = None
         self.encoder: _EncodeWorker | None = None  #: streaming: the thread encoding the buckets
         self.carry_idx = np.zeros(0, np.uint32)  #: entries of a partition the next bucket completes
@@ -110,9 +115,10 @@ class StepRunner:
         self._last_stream = None
         self._last_max_abs: list[float] = []
 
-    def begin(self, world: int) -> _Step:
+    def begin(self, world: int, divisor: int | None = None) -> _Step:
         """First bucket of a dosa step: the previous step's round is over (DDP waited for its
-        futures); take its result's largest sum into the scale of this one."""
+        futures); take its result's largest sum into the scale of this one. ``world``: the dosa
+        job's workers; ``divisor``: the ranks the sums average over (default ``world``)."""
         stream, self._last_stream = self._last_stream, None
         if stream is not None:
             stream.finish()
@@ -121,7 +127,7 @@ class StepRunner:
                                                        self.config.headroom, self.scale_exp)
         self._last_max_abs = []
         self.encoders.new_step()
-        self.step = _Step(self.scale_exp, world)
+        self.step = _Step(self.scale_exp, world, divisor)
         return self.step
 
     def _deliver(self, step: _Step, enc: RoundEncoder, sent: EncodedRound, buf: torch.Tensor, idx,
@@ -137,7 +143,7 @@ class StepRunner:
         flat = buf.view(-1)
         flat.zero_()
         at = torch.from_numpy(idx).to(buf.device)
-        flat[at] = torch.from_numpy((vals / step.world).astype(np.float32)).to(buf.device, buf.dtype)
+        flat[at] = torch.from_numpy((vals / step.divisor).astype(np.float32)).to(buf.device, buf.dtype)
         if step.gtopk and len(sent):
             enc.fold_back(*enc.unapplied(sent, idx), scale_exp)
 
@@ -191,10 +197,14 @@ class StepRunner:
             step.encoder = None
         return fut
 
-    def park(self, step: _Step, index: int, buf: torch.Tensor) -> torch.futures.Future:
-        """Keep the bucket until the step's last one; its future completes when the round does."""
+    def park(self, step: _Step, index: int, buf: torch.Tensor,
+             enc: RoundEncoder | None = None) -> torch.futures.Future:
+        """Keep the bucket until the step's last one; its future completes when the round does.
+        ``enc``: the bucket's encoder, when it is not ``encoders[index]``."""
         fut: torch.futures.Future = torch.futures.Future()
         step.parked.append((index, buf, fut))
+        if enc is not None:
+            step.parked_encoders[index] = enc
         return fut
 
     def parked_numel(self, step: _Step) -> int:
@@ -211,7 +221,7 @@ class StepRunner:
             encs, sents, offs = [], [], []
             off = 0
             for i, buf, _ in parked:
-                enc = self.encoders[i]
+                enc = step.parked_encoders[i] if i in step.parked_encoders else self.encoders[i]
                 encs.append(enc)
                 sents.append(enc.encode(buf, step.scale_exp))
                 offs.append(off)
@@ -242,7 +252,7 @@ class StepRunner:
         parked, step.parked = step.parked, []
         self.step = None
         for _, buf, fut in parked:
-            buf.div_(step.world)
+            buf.div_(step.divisor)
             work = dist.all_reduce(buf, group=group, async_op=True)
             work.get_future().then(lambda f, fut=fut, buf=buf: fut.set_result(buf))
 

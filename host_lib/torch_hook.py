@@ -21,12 +21,16 @@ What one training step does (details and the reasons in ``docs/training.md``):
 * If dosa is unavailable (creating the client raises on any rank), every rank agrees, through one
   tiny process-group allreduce, to fall back to the process group's allreduce for the rest of the
   run, with ONE warning.
+* **Nodes of several ranks** (torchrun's LOCAL_WORLD_SIZE > 1 on more than one node, or
+  ``ranks_per_node``): reduce-scatter inside the node, dosa per slice between nodes (one worker per
+  node in each slice's job), all-gather inside the node (``hook_node``).
 
 As PyTorch's PowerSGD hook, the state holds the hyperparameters, the internal state and the
 statistics, and the hook function says what happens to a bucket. The parts live beside it:
 ``hook_config`` (the frozen hyperparameters, the statistics), ``hook_encoders`` (each bucket's
 encoder, carried across DDP's bucket rebuild), ``hook_client`` (the client, made once and agreed on
-by every rank), ``hook_step`` (a step's buckets streamed or parked, results written back).
+by every rank), ``hook_step`` (a step's buckets streamed or parked, results written back),
+``hook_node`` (the node-aware reduction: the node's groups, each rank's slice and its encoder).
 """
 # no `from __future__ import annotations`: DDP checks the hook annotations are real types
 
@@ -42,6 +46,7 @@ from host_lib import hook_codec
 from host_lib.hook_client import HookClient, default_client_factory
 from host_lib.hook_config import DosaHookStats, HookConfig
 from host_lib.hook_encoders import BucketEncoders
+from host_lib.hook_node import NodeReducer, node_client_factory, resolve_ranks_per_node
 from host_lib.hook_step import StepRunner, dense_allreduce
 
 log = logging.getLogger(__name__)
@@ -85,6 +90,10 @@ class DosaHookState:
         overlap: stream each bucket as DDP hands it over (default) instead of one blocking round
             at the last bucket.
         method: top-k selector, ``fast`` (default; the Cython single pass on CPU) or ``exact``.
+        ranks_per_node: ranks that share a node and reduce inside it first (``hook_node``): None
+            (default) takes torchrun's LOCAL_WORLD_SIZE when the job spans more than one node;
+            1 keeps every rank a dosa worker of its own. With a ``client_factory``, on nodes of
+            several ranks, the factory must join the slice job of this rank (``hook_node``).
 
     Example::
         >>> # xdoctest: +SKIP
@@ -99,7 +108,7 @@ class DosaHookState:
                  density: float = 0.01, dense_warmup_steps: int = 0, process_group=None,
                  scale_exp: int | None = None, headroom: float = 2.0, fallback: bool = True,
                  momentum: float = 0.0, momentum_masking: bool = True, job_options: dict | None = None,
-                 overlap: bool = True, method: str = "fast"):
+                 overlap: bool = True, method: str = "fast", ranks_per_node: int | None = None):
         if client is not None and client_factory is not None:
             raise ValueError("give either client or client_factory, not both")
         if client_factory is not None and not callable(client_factory):
@@ -111,7 +120,11 @@ class DosaHookState:
                                      momentum, momentum_masking, job_options, overlap, method)
         self.process_group = process_group
         # internal state
-        if client_factory is None and client is None:
+        if ranks_per_node is not None:
+            resolve_ranks_per_node(ranks_per_node, ranks_per_node)  # the type check, now
+        self._ranks_per_node = ranks_per_node
+        self._default_client = client_factory is None and client is None
+        if self._default_client:
             opts = dict(c.job_options)
             client_factory = lambda numel: default_client_factory(numel, opts)  # noqa: E731
         self._link = HookClient(client, client_factory)
@@ -121,6 +134,10 @@ class DosaHookState:
         self.stats = DosaHookStats()
         self._runner = StepRunner(c, self._encoders, self.stats)
         self._logged = False
+        self._node: NodeReducer | None = None
+        self._node_checked = False
+        if dist.is_available() and dist.is_initialized():
+            self._node_setup()  # every rank makes its state at once: the node's groups now
 
     density = property(lambda self: self.config.density)
     dense_warmup_steps = property(lambda self: self.config.dense_warmup_steps)
@@ -145,17 +162,39 @@ class DosaHookState:
 
     @property
     def _residuals(self) -> dict:
-        """Each bucket's residual (numpy; for tests and reports)."""
-        return self._encoders.residuals
+        """Each bucket's residual (numpy; for tests and reports); on nodes of several ranks, of
+        this rank's slice of each bucket."""
+        return self._node.residuals if self._node is not None else self._encoders.residuals
+
+    @property
+    def node(self) -> NodeReducer | None:
+        """The node-aware reduction (``hook_node``), or None when every rank is a dosa worker."""
+        return self._node
+
+    def _node_setup(self) -> NodeReducer | None:
+        """Decide once whether ranks reduce inside their node, and if so make the node's groups
+        (collectively: every rank calls this at the same point, at construction or at the first
+        dosa bucket) and, with the default client, join the slice job instead of the rank's."""
+        if not self._node_checked:
+            self._node_checked = True
+            per = resolve_ranks_per_node(self._ranks_per_node, dist.get_world_size(self.group))
+            if per > 1:
+                c = self.config
+                self._node = NodeReducer.create(per, c.density, c.method, c.momentum, c.momentum_masking)
+                if self._default_client:
+                    self._link = HookClient(None, node_client_factory(self._node.layout,
+                                                                      dict(c.job_options)))
+        return self._node
 
     def _log_config_once(self) -> None:
         if not self._logged:
             self._logged = True
             c = self.config
             log.info("dosa hook: density=%g method=%s overlap=%s momentum=%g dense_warmup_steps=%d "
-                     "world_size=%d headroom=%g initial scale_exp=%s fallback=%s", c.density,
-                     c.method, c.overlap, c.momentum, c.dense_warmup_steps, self.world_size,
-                     c.headroom, c.scale_exp, c.fallback)
+                     "world_size=%d ranks_per_node=%d headroom=%g initial scale_exp=%s fallback=%s",
+                     c.density, c.method, c.overlap, c.momentum, c.dense_warmup_steps, self.world_size,
+                     self._node.layout.per_node if self._node is not None else 1, c.headroom,
+                     c.scale_exp, c.fallback)
 
     def connect(self, numel: int) -> None:
         """Join the dosa job now, for a model of ``numel`` gradient entries: every rank calls it,
@@ -168,7 +207,8 @@ class DosaHookState:
         if numel < 1:
             raise ValueError(f"numel must be positive, got {numel}")
         self._log_config_once()
-        self._ensure_client(int(numel))
+        node = self._node_setup()
+        self._ensure_client(int(numel) if node is None else node.layout.slice_numel(int(numel)))
 
     def _ensure_client(self, numel: int) -> None:
         """Create the client (once) and agree across ranks whether every rank has one; if not,
@@ -186,12 +226,15 @@ class DosaHookState:
         self.stats.fallbacks = 1
         warnings.warn(f"dosa unavailable ({why}); falling back to the process group's dense "
                       f"allreduce for the rest of the run", DosaUnavailableWarning, stacklevel=2)
-        self.close()
+        self._runner.close()
+        self._link.close(log)
 
     def close(self) -> None:
         """Leave the dosa job (idempotent)."""
         self._runner.close()
         self._link.close(log)
+        if self._node is not None:
+            self._node.close()
 
     def refresh_counters(self) -> None:
         """Copy the client's traffic counters into ``stats`` (the last step's are complete once
@@ -233,16 +276,28 @@ def dosa_hook(state: DosaHookState, bucket: dist.GradBucket) -> torch.futures.Fu
             stats.steps += 1
             stats.dense_steps += 1
         return dense_allreduce(buf, state.group, state.world_size)
-    step = runner.step or runner.begin(state.world_size)
+    node = state._node_setup()
+    if node is not None:  # reduce inside the node; dosa carries this rank's slice (hook_node)
+        if runner.step is None:
+            node.new_step()
+        full, (row, plan) = buf, node.reduce_scatter(buf)
+        buf = row[plan.a:plan.b]
+    step = runner.step or (runner.begin(state.world_size) if node is None else
+                           runner.begin(node.layout.nodes, divisor=state.world_size))
     step.buckets += 1
-    enc, remapped = state._encoders.for_bucket(bucket, buf, step.world, dist.get_rank(state.group))
+    if node is None:
+        enc, remapped = state._encoders.for_bucket(bucket, buf, step.world, dist.get_rank(state.group))
+    else:
+        enc, remapped = node.encoder(bucket, full, plan, step.world, dist.get_rank(state.group))
     if remapped:
         stats.residual_remaps += 1
         log.debug("dosa hook: bucket %d changed layout; carrying its residual over", bucket.index())
     if state.overlap and state._link.streams:
         fut = runner.stream_bucket(step, state.client, buf, enc, last)
     else:
-        fut = runner.park(step, bucket.index(), buf)
+        fut = runner.park(step, bucket.index(), buf, enc if node is not None else None)
+    if node is not None:
+        fut = node.gather(fut, row, plan, full)
     if last:
         stats.steps += 1
         if step.stream is None:
@@ -251,7 +306,7 @@ def dosa_hook(state: DosaHookState, bucket: dist.GradBucket) -> torch.futures.Fu
             state._ensure_client(runner.parked_numel(step))
             if state.using_fallback:
                 stats.dense_steps += 1
-                runner.run_parked_dense(step, state.group)
+                runner.run_parked_dense(step, state.group if node is None else node.slice_group)
                 return fut
             runner.run_parked(step, state.client)
     step.hook_seconds += time.perf_counter() - t0
