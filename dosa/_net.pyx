@@ -25,7 +25,13 @@ from libc.string cimport memset, memcpy
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
 # the socket structures, calls and constants are declared in dosa/_net.pxd (shared with
-# host_lib/_engine.pyx)
+# host_lib/_engine.pyx); a packet's fields and entries are read and written only through the
+# accessors generated from dosa.wire (dosa/dosa_wire.h, declared in dosa/dosa_wire.pxd)
+from dosa.dosa_wire cimport (DOSA_HDR_LEN, DOSA_T_RETX_REQUEST, dosa_dense, dosa_dense_value,
+                             dosa_entry_len, dosa_hdr_base, dosa_hdr_count, dosa_hdr_type,
+                             dosa_odd_pad, dosa_put_dense_value, dosa_put_sparse_offset,
+                             dosa_put_sparse_pad, dosa_put_sparse_value, dosa_retx_seq, dosa_sparse,
+                             dosa_sparse_offset, dosa_sparse_value, dosa_status_worker_id)
 
 #: What the kernel accepts per GSO datagram (UDP_MAX_SEGMENTS is 64 on older kernels, 128 since 6.x).
 MAX_GSO_SEGMENTS = 64
@@ -438,89 +444,84 @@ def recv_batch(int fd, uint8_t[:, ::1] data, int64_t[::1] lengths, uint32_t[::1]
         raise _os_error(err, "recvmmsg", 0)
     return rc
 
-def decode_entries(const uint8_t[:, ::1] data, const int64_t[::1] rows, const int64_t[::1] count,
-                   const int64_t[::1] base, const int64_t[::1] offset_at, const int64_t[::1] value_at,
-                   uint32_t[::1] out_idx, int32_t[::1] out_val, bint skip_dense_zeros=False):
-    """Decode the entries of packets ``rows`` (in that order, ``count[k]`` each) into ``out_idx`` /
-    ``out_val``; returns the number written. The layout comes from the caller (dosa.wire, through
-    dosa.packetizer and host_lib.round): entry j of row k has index ``base[k]`` + the big-endian
-    u16 at byte ``offset_at[k] + 2 j`` of the slot (sparse) or ``base[k] + j`` when
-    ``offset_at[k] < 0`` (dense), and the big-endian s32 value at byte ``value_at[k] + 4 j``. Rows
-    whose entries would not fit their slot make it return -1 (headers are validated before: never
-    expected). ``skip_dense_zeros``: a dense run's zero values are not written (a result's dense
-    run carries the zero sums of its span too, and they are no entries)."""
-    cdef Py_ssize_t k, j, m = 0, n = rows.shape[0], cap = out_idx.shape[0], width = data.shape[1]
+def decode_entries(const uint8_t[:, ::1] data, const int64_t[::1] rows, uint32_t[::1] out_idx,
+                   int32_t[::1] out_val, bint skip_dense_zeros=False):
+    """Decode the entries of packets ``rows`` (in that order) into ``out_idx`` / ``out_val``;
+    returns the number written. Each packet says its own layout: its type, count and base are read
+    from its header and its entries through the accessors generated from dosa.wire
+    (dosa/dosa_wire.h): a sparse entry is (base + offset, value), a dense one (base + j, value), a
+    RETX_REQUEST's or STATUS's (its u32 seq or worker id, 0). A row whose entries would not fit its
+    slot makes it return -1 (headers are validated before: never expected). ``skip_dense_zeros``: a
+    dense run's zero values are not written (a result's dense run carries the zero sums of its span
+    too, and they are no entries)."""
+    cdef Py_ssize_t k, m = 0, n = rows.shape[0], cap = out_idx.shape[0], width = data.shape[1]
+    cdef uint32_t j, c, b, t
     cdef int32_t v
-    cdef const uint8_t* po
-    cdef const uint8_t* pv
-    cdef int64_t c, b
-    if count.shape[0] < n or base.shape[0] < n or offset_at.shape[0] < n or value_at.shape[0] < n \
-            or out_val.shape[0] < cap:
-        raise ValueError("count, base, offset_at and value_at need a value per row, out_val as many "
-                         "slots as out_idx")
+    cdef const uint8_t* pk
+    if out_val.shape[0] < cap:
+        raise ValueError("out_val needs as many slots as out_idx")
     with nogil:
         for k in range(n):
-            c = count[k]
-            b = base[k]
-            if c < 0 or m + c > cap or value_at[k] < 0 or value_at[k] + 4 * c > width \
-                    or offset_at[k] + 2 * c > width or rows[k] < 0 or rows[k] >= data.shape[0]:
+            if rows[k] < 0 or rows[k] >= data.shape[0]:
                 m = -1
                 break
-            pv = &data[rows[k], value_at[k]]
-            if offset_at[k] >= 0:
-                po = &data[rows[k], offset_at[k]]
+            pk = &data[rows[k], 0]
+            t = dosa_hdr_type(pk)
+            c = dosa_hdr_count(pk)
+            b = dosa_hdr_base(pk)
+            if m + c > cap or DOSA_HDR_LEN + dosa_entry_len(t) * c + dosa_odd_pad(t) * (c & 1) > width:
+                m = -1
+                break
+            if dosa_sparse(t):
                 for j in range(c):
-                    out_idx[m] = <uint32_t>(b + ((<uint32_t>po[0] << 8) | po[1]))
-                    out_val[m] = <int32_t>((<uint32_t>pv[0] << 24) | (<uint32_t>pv[1] << 16)
-                                           | (<uint32_t>pv[2] << 8) | pv[3])
-                    po += 2
-                    pv += 4
+                    out_idx[m] = b + dosa_sparse_offset(pk, c, j)
+                    out_val[m] = dosa_sparse_value(pk, c, j)
+                    m += 1
+            elif dosa_dense(t):
+                for j in range(c):
+                    v = dosa_dense_value(pk, c, j)
+                    if skip_dense_zeros and v == 0:
+                        continue
+                    out_idx[m] = b + j
+                    out_val[m] = v
                     m += 1
             else:
                 for j in range(c):
-                    v = <int32_t>((<uint32_t>pv[0] << 24) | (<uint32_t>pv[1] << 16)
-                                  | (<uint32_t>pv[2] << 8) | pv[3])
-                    pv += 4
-                    if skip_dense_zeros and v == 0:
-                        continue
-                    out_idx[m] = <uint32_t>(b + j)
-                    out_val[m] = v
+                    out_idx[m] = dosa_retx_seq(pk, c, j) if t == DOSA_T_RETX_REQUEST \
+                        else dosa_status_worker_id(pk, c, j)
+                    out_val[m] = 0
                     m += 1
     return m
 
 
-def write_entries(uint8_t[:, ::1] data, const int64_t[::1] first, const int64_t[::1] count,
-                  const int64_t[::1] base, const uint8_t[::1] dense, const int64_t[::1] value_at,
-                  const uint32_t[::1] idx, const int32_t[::1] val):
-    """The inverse of :func:`decode_entries` for one batch being built (dosa.packetizer): packet
-    row k's entries, big-endian, the layout from the caller (dosa.wire through the packetizer).
-
-    Sparse (``dense[k] == 0``): entries ``first[k] .. first[k] + count[k] - 1`` of (idx, val) as
-    ``count[k]`` u16 offsets ``idx - base[k]`` from byte HDR_LEN (32), then the s32 values from byte
-    ``value_at[k]``. Dense: the packet carries indices ``base[k] .. base[k] + count[k] - 1``; the
-    entries from ``first[k]`` on whose index is below ``base[k] + count[k]`` go to byte
-    ``32 + 4 (idx - base[k])``; the rest of the run must already be zero (a fresh batch is).
-    Returns 0, or -1 (nothing guaranteed written) when an offset does not fit a u16, an entry lies
-    outside its run, or a packet does not fit its slot: the caller computed them wrong."""
-    cdef Py_ssize_t k, j, e, n = data.shape[0], width = data.shape[1], m = idx.shape[0]
-    cdef int64_t c, b, off
-    cdef uint8_t* p
-    cdef uint32_t v
+def write_entries(uint8_t[:, ::1] data, const int64_t[::1] first, const uint32_t[::1] idx,
+                  const int32_t[::1] val):
+    """The inverse of :func:`decode_entries` for one batch being built (dosa.packetizer): row k's
+    header (type, count, base) is written already; its entries go in through the accessors
+    generated from dosa.wire. Sparse: entries ``first[k] .. first[k] + count - 1`` of (idx, val),
+    as offsets ``idx - base`` and their values. Dense: the packet carries indices ``base .. base +
+    count - 1``; the entries from ``first[k]`` on whose index is below ``base + count`` go to their
+    place; the rest of the run must already be zero (a fresh batch is). Returns 0, or -1 (nothing
+    guaranteed written) when an offset does not fit a u16, an entry lies outside its run, or a
+    packet does not fit its slot: the caller computed them wrong."""
+    cdef Py_ssize_t k, e, n = data.shape[0], width = data.shape[1], m = idx.shape[0]
+    cdef uint32_t j, c, b, t
+    cdef int64_t off
+    cdef uint8_t* pk
     cdef int bad = 0
-    if first.shape[0] < n or count.shape[0] < n or base.shape[0] < n or dense.shape[0] < n \
-            or value_at.shape[0] < n or val.shape[0] != m:
-        raise ValueError("write_entries: one first/count/base/dense/value_at per row, one value per index")
+    if first.shape[0] < n or val.shape[0] != m:
+        raise ValueError("write_entries: one first entry per row, one value per index")
     with nogil:
         for k in range(n):
-            c = count[k]
-            b = base[k]
-            if c < 0 or first[k] < 0:
+            pk = &data[k, 0]
+            t = dosa_hdr_type(pk)
+            c = dosa_hdr_count(pk)
+            b = dosa_hdr_base(pk)
+            if first[k] < 0 or DOSA_HDR_LEN + dosa_entry_len(t) * c + dosa_odd_pad(t) * (c & 1) > width:
                 bad = 1
                 break
-            p = &data[k, 0]
-            if not dense[k]:
-                if first[k] + c > m or 32 + 2 * c > width or value_at[k] < 32 + 2 * c \
-                        or value_at[k] + 4 * c > width:
+            if dosa_sparse(t):
+                if first[k] + c > m:
                     bad = 1
                     break
                 for j in range(c):
@@ -529,34 +530,23 @@ def write_entries(uint8_t[:, ::1] data, const int64_t[::1] first, const int64_t[
                     if off < 0 or off > 0xFFFF:
                         bad = 1
                         break
-                    p[32 + 2 * j] = <uint8_t>(off >> 8)
-                    p[33 + 2 * j] = <uint8_t>off
-                    v = <uint32_t>val[e]
-                    p[value_at[k] + 4 * j] = <uint8_t>(v >> 24)
-                    p[value_at[k] + 4 * j + 1] = <uint8_t>(v >> 16)
-                    p[value_at[k] + 4 * j + 2] = <uint8_t>(v >> 8)
-                    p[value_at[k] + 4 * j + 3] = <uint8_t>v
+                    dosa_put_sparse_offset(pk, c, j, <uint32_t>off)
+                    dosa_put_sparse_value(pk, c, j, val[e])
                 if bad:
                     break
-                if c & 1:  # the pad after an odd number of offsets
-                    p[32 + 2 * c] = 0
-                    p[33 + 2 * c] = 0
-            else:
-                if 32 + 4 * c > width:
-                    bad = 1
-                    break
+                dosa_put_sparse_pad(pk, c)
+            elif dosa_dense(t):
                 e = first[k]
-                while e < m and <int64_t>idx[e] < b + c:
+                while e < m and <int64_t>idx[e] < <int64_t>b + c:
                     off = <int64_t>idx[e] - b
                     if off < 0:
                         bad = 1
                         break
-                    v = <uint32_t>val[e]
-                    p[32 + 4 * off] = <uint8_t>(v >> 24)
-                    p[33 + 4 * off] = <uint8_t>(v >> 16)
-                    p[34 + 4 * off] = <uint8_t>(v >> 8)
-                    p[35 + 4 * off] = <uint8_t>v
+                    dosa_put_dense_value(pk, c, <uint32_t>off, val[e])
                     e += 1
                 if bad:
                     break
+            elif c:
+                bad = 1
+                break
     return -1 if bad else 0

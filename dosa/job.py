@@ -13,6 +13,7 @@ the control plane to join through (:func:`dosa.join.join_view`, the one join fro
 """
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -21,12 +22,33 @@ import numpy as np
 from dosa import wire
 from dosa.errors import DosaError
 
-#: result modes: ``sum`` (exact sums, union of indices) or ``gtopk`` (per partition only the
-#: ``k = ceil(density * partition_length)`` largest |sum| come back; docs/dpu_worker.md). The index
-#: is the mode's code in the dataplane's jobs map.
-RESULT_MODES = ("sum", "gtopk")
-#: where a DPU merges: in the XDP program, or in the DPU worker's user space
-DPU_MODES = ("xdp", "userspace")
+class _Name(str, enum.Enum):
+    """A name that is its own string: ``ResultMode.GTOPK == "gtopk"``, in JSON, argparse choices
+    and f-strings alike; comparing with the member instead of the string is what keeps a typo from
+    being a silent False."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class ResultMode(_Name):
+    """What comes back to the hosts: ``sum`` (exact sums, union of indices) or ``gtopk`` (per
+    partition only the ``k = ceil(density * partition_length)`` largest |sum|; docs/dpu_worker.md).
+    The index in RESULT_MODES is the mode's code in the dataplane's jobs map."""
+
+    SUM = "sum"
+    GTOPK = "gtopk"
+
+
+class DpuMode(_Name):
+    """Where a DPU merges: in the XDP program, or in the DPU worker's user space."""
+
+    XDP = "xdp"
+    USERSPACE = "userspace"
+
+
+RESULT_MODES = tuple(m.value for m in ResultMode)
+DPU_MODES = tuple(m.value for m in DpuMode)
 #: the scale exponent of a job's first round (later rounds choose theirs from the previous result)
 DEFAULT_SCALE_EXP = 16
 DEFAULT_DENSITY = 0.01
@@ -50,7 +72,7 @@ class JobConfig:
     hosts: list = field(default_factory=list)
     dpus: list = field(default_factory=list)
     partition_size: int = wire.DEFAULT_PARTITION_SIZE
-    mode: str = "sum"
+    mode: str = ResultMode.SUM.value
     density: float = DEFAULT_DENSITY
     scale_exp: int = DEFAULT_SCALE_EXP
     port: int = wire.DEFAULT_PORT  # the job's UDP port on the DPUs (the default of dpus' ports)
@@ -149,7 +171,7 @@ class JobConfig:
             dpus = sorted(v["dpus"], key=lambda d: d["index"])
             return cls(job_id=v["job_id"], numel=v["numel"], hosts=hosts,
                        dpus=[(d["address"], d["port"]) for d in dpus],
-                       partition_size=v["partition_size"], mode=v.get("mode", "sum"),
+                       partition_size=v["partition_size"], mode=v.get("mode", ResultMode.SUM.value),
                        density=v.get("density", DEFAULT_DENSITY),
                        scale_exp=v.get("scale_exp", DEFAULT_SCALE_EXP), port=v.get("port", wire.DEFAULT_PORT),
                        slots=v.get("slots", DEFAULT_SLOTS), mtu=v.get("mtu", wire.DEFAULT_MTU))

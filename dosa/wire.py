@@ -16,7 +16,7 @@ wire``, ``from dosa.wire import PacketType``), which re-exports them all:
   ``header_verdicts``; ``validate_header``, ``parse_packet``);
 * ``dosa.wire_batch``: the index space cut into partitions (``PartitionMap``) and many packets in one
   buffer (``PacketBatch``);
-* ``dosa.wire_c``: the C rendering (``c_header``).
+* ``dosa.wire_c``: the C rendering (``c_header``, and ``c_pxd``, its Cython declarations).
 """
 from dosa.wire_format import (  # noqa: F401
     MAGIC, VERSION, DEFAULT_PORT, IPV4_HDR_LEN, UDP_HDR_LEN, ETH_HDR_LEN, HDR_LEN,
@@ -40,5 +40,5 @@ from dosa.wire_batch import (  # noqa: F401
     DEFAULT_PARTITION_SIZE, PartitionMap, STRIDE, PacketBatch,
 )
 from dosa.wire_c import (  # noqa: F401
-    c_header,
+    c_header, c_pxd,
 )

@@ -16,7 +16,7 @@ import numpy as np
 from dosa.wire_format import (
     DPU_SENDER_ID, ENTRY_LEN, FLAGS_VALID_MASK, HDR_LEN, HEADER_DTYPE, HEADER_FIELDS, MAGIC,
     MAX_ENTRIES, MAX_PACKETS_PER_CONTRIBUTION, MAX_PARTITIONS, MAX_SPARSE_BASE, MAX_WORKERS, ODD_PAD,
-    PAYLOAD_BLOCKS, SCALE_EXP_MAX, SCALE_EXP_MIN, SEQUENCED_TYPES, SPARSE_ENTRY_DTYPE,
+    DENSE_TYPES, PAYLOAD_BLOCKS, SCALE_EXP_MAX, SCALE_EXP_MIN, SEQUENCED_TYPES, SPARSE_ENTRY_DTYPE,
     SPARSE_OFFSET_DTYPE, SPARSE_TYPES, VALUE_DTYPE, VERSION, BadField, BadMagic, BadType, BadVersion,
     CountMismatch, Flags, Header, PacketType, ProtocolError, TruncatedPacket, payload_length,
     value_offset,
@@ -59,6 +59,7 @@ TYPE_TABLES = {
     "TYPE_OK": {t: 1 for t in PacketType},
     "SEQUENCED": {t: 1 for t in SEQUENCED_TYPES},  # part of a (round, partition) contribution
     "SPARSE": {t: 1 for t in SPARSE_TYPES},
+    "DENSE": {t: 1 for t in DENSE_TYPES},  # one s32 value per index from base (no rule names it yet)
     "ENTRY_LEN": {t: n for t, n in ENTRY_LEN.items()},
     "ODD_PAD": {t: n for t, n in ODD_PAD.items()},
     "MAX_ENTRIES": {t: n for t, n in MAX_ENTRIES.items()},

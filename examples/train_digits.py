@@ -37,6 +37,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dosa.job import RESULT_MODES
+
 log = logging.getLogger("dosa.train_digits")
 
 
@@ -135,7 +137,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--partition-size", type=int, default=None,
                    help="dosa job partition size (control plane jobs; smaller spreads over more DPUs)")
-    p.add_argument("--mode", choices=["sum", "gtopk"], default=None,
+    p.add_argument("--mode", choices=RESULT_MODES, default=None,
                    help="dosa job result mode (control plane jobs): exact sums, or per partition only "
                         "the k largest sums (what did not come back returns to the residual)")
     p.add_argument("--bucket-cap-mb", type=float, default=None,

@@ -19,7 +19,7 @@ import numpy as np
 
 from dosa.env import RankEnv
 from dosa.errors import DosaError
-from dosa.job import JobConfig
+from dosa.job import JobConfig, ResultMode
 from dosa import wire
 from dosa.join import join_view
 from dosa.net import addr_arrays, multicast_group, path_mtu
@@ -215,7 +215,7 @@ class AggregationClient:
         sent = self._encoder.encode(x, s)
         out = np.zeros(self.job.numel, np.float32)
         ridx, sums = self.allreduce_sparse(sent.indices, sent.values, s, dense_out=out)
-        if self.job.mode == "gtopk":
+        if self.job.mode == ResultMode.GTOPK:
             self._encoder.fold_back(*self._encoder.unapplied(sent, ridx), s)
         m = float(np.abs(dequantize(sums, s)).max()) if len(sums) else 0.0
         if m > 0:

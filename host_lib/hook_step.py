@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dosa.job import ResultMode
 from host_lib import hook_codec
 from host_lib.encoder import EncodedRound, RoundEncoder
 from host_lib.hook_config import DosaHookStats, HookConfig
@@ -286,7 +287,7 @@ class StepRunner:
 def _gtopk(client) -> bool:
     """Whether the client's job returns only the largest sums (what was sent but not returned is
     folded back into the residual)."""
-    return getattr(getattr(client, "job", None), "mode", "sum") == "gtopk"
+    return getattr(getattr(client, "job", None), "mode", ResultMode.SUM) == ResultMode.GTOPK
 
 
 def dense_allreduce(buf: torch.Tensor, group, world: int) -> torch.futures.Future:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from dosa.env import RankEnv
 from dosa.errors import DosaError
-from dosa.job import DPU_MODES
+from dosa.job import DPU_MODES, DpuMode
 
 from testbed import config, credentials, impair, ns, state
 from testbed.netlink import Netlink, netns_del
@@ -164,7 +164,7 @@ class Testbed:
             state.save(self.state_path, st)
             if services and dpus:
                 self._start_services(layout, st, ready_timeout)
-            if cpu_split and dpus and services and mode == "xdp":
+            if cpu_split and dpus and services and mode == DpuMode.XDP:
                 # after the services: a veth has NAPI (and so a thread) only once XDP is attached
                 st["dpu_napi_threads"] = self._dpu_receive_on_dpu_cores(layout, dpu_cpus)
             st["status"] = "up"
