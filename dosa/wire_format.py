@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields as dc_fields, replace
 
 import numpy as np
 
+from dosa.errors import DosaError
+
 MAGIC = 0x444F5341  # b"DOSA"
 VERSION = 2
 DEFAULT_PORT = 4791 + 13000  # 17791; any port can be configured per deployment
@@ -221,8 +223,10 @@ DENSE_ENTRY_DTYPE = VALUE_DTYPE
 RETX_ENTRY_DTYPE = np.dtype(">u4")
 
 
-class ProtocolError(ValueError):
-    """A buffer is not a valid dosa packet. The message says which rule it breaks."""
+class ProtocolError(DosaError, ValueError):
+    """A buffer is not a valid dosa packet. The message says which rule it breaks: one sentence a
+    user can act on, so a DosaError (the CLI prints it without a traceback); still a ValueError, as
+    it always was, for the callers that catch bad input as one."""
 
 
 class TruncatedPacket(ProtocolError):
