@@ -26,6 +26,7 @@ COMMANDS = {
     "dpu": "dpu_fw.cli",
     "offload": "dpu_fw.offload_cli",
     "bench": "benchmarks.cli",
+    "plan": "benchmarks.plan.cli",
     "demo": "dosa.app.demo_cli",
 }
 COMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))
