@@ -6,15 +6,15 @@ host; the four hosts of the testbed share one core, so every microsecond per pac
 paid four times. ``RoundEngine.pump`` runs the round's steady state without returning to Python:
 
 1. **send**: the window (``window`` partitions in flight, never past a partition whose aggregation
-   slot is still held: ``gate``, docs/dataplane.md *Slots*) goes out through the UDP GSO send loop
-   of dosa/_net.pyx (``send_core``), straight from the round's packet buffer;
+   slot is still held: ``gate``, docs/dataplane.md *Slots*) goes out (host_lib/_window.pyx);
 2. **receive**: recvmmsg on the job's multicast socket and the unicast socket (UDP GRO: one
    datagram carries many result packets), without blocking;
 3. **intake**: every received packet is checked where it lies in the receive buffer, with the
    header rules the XDP program runs (``dosa_check_header`` of dosa/dosa_wire.h, generated from
    dosa.wire) plus the round's own (job, round, sender, partition, scale, indices inside the
    partition, one ``total`` per partition), and a new result packet's entries are decoded at once
-   into the round's entry arena. No copy of the packet is kept and nothing is decoded twice;
+   into the round's entry arena (host_lib/_arena.pyx). No copy of the packet is kept and nothing
+   is decoded twice;
 4. **wait** in ppoll on both sockets until something arrives or the deadline passes.
 
 It returns to Python only when the round is done, a STATUS packet arrived (kept in ``side`` for
@@ -28,16 +28,16 @@ engine writes them only inside its own calls, so a caller that serializes calls 
 sees a consistent state.
 """
 from libc.errno cimport errno, EAGAIN, EINTR
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
-from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
-from dosa._net cimport (C_RECV_CALLS, C_RECV_DGRAMS, C_RECV_PACKETS, C_RECV_BYTES, C_SEND_CALLS,
-                        C_SEND_DGRAMS, C_SENT_BYTES, C_SENT_PACKETS, C_TRUNCATED, N_COUNTERS,
+from dosa._net cimport (C_RECV_CALLS, C_RECV_DGRAMS, C_RECV_PACKETS, C_RECV_BYTES, C_TRUNCATED,
                         CTRL_SPACE, GRO_BUF, MSG_DONTWAIT, MSG_TRUNC, POLLIN, EWOULDBLOCK,
-                        gro_prepare, gro_segment, iovec, mmsghdr, now, pollfd, recvmmsg, send_core,
-                        sockaddr_in)
+                        gro_prepare, gro_segment, iovec, mmsghdr, now, pollfd, recvmmsg, sockaddr_in)
+from host_lib._arena cimport ResultArena
+from host_lib._window cimport SendWindow
 
 import numpy as np
 
@@ -51,10 +51,9 @@ cdef extern from "<time.h>":
 # (dosa/dosa_wire.h, declared in dosa/dosa_wire.pxd), the header rules the XDP program runs included
 from dosa.dosa_wire cimport (DOSA_DPU_SENDER_ID, DOSA_HDR_LEN, DOSA_MAX_PACKETS_PER_CONTRIBUTION,
                              DOSA_T_DENSE_RESULT, DOSA_T_SPARSE_RESULT, DOSA_T_STATUS, dosa_hdr,
-                             dosa_check_header, dosa_dense_value, dosa_hdr_base, dosa_hdr_count,
-                             dosa_hdr_job_id, dosa_hdr_partition, dosa_hdr_round, dosa_hdr_scale_exp,
-                             dosa_hdr_seq, dosa_hdr_total, dosa_hdr_type, dosa_hdr_worker_id,
-                             dosa_sparse_offset, dosa_sparse_value)
+                             dosa_check_header, dosa_hdr_base, dosa_hdr_count, dosa_hdr_job_id,
+                             dosa_hdr_partition, dosa_hdr_round, dosa_hdr_scale_exp, dosa_hdr_seq,
+                             dosa_hdr_total, dosa_hdr_type, dosa_hdr_worker_id, dosa_sparse_offset)
 
 
 cdef enum:
@@ -104,43 +103,24 @@ cdef class RoundEngine:
 
     cdef readonly Py_ssize_t P, partition_size, numel, window
     cdef readonly uint32_t job_id
-    cdef int64_t[::1] gate_v
-    cdef uint32_t[::1] dpu_ip_v
-    cdef uint16_t[::1] dpu_port_v
-    cdef int64_t[::1] ctr, gso
-    cdef uint64_t rng
+    cdef int64_t[::1] ctr
+    cdef SendWindow tx  # what may go out, and the sending
+    cdef ResultArena arena  # what came back
 
     # shared with host_lib.round (numpy arrays) and their views
     cdef readonly object sent, done, got, res_total, res_got, last_tx, done_at, completed
     cdef readonly object stats, cpu
-    cdef uint8_t[::1] sent_v, done_v
+    cdef uint8_t[::1] done_v
     cdef uint8_t[:, ::1] got_v
     cdef int64_t[::1] res_total_v, res_got_v, completed_v, stats_v
-    cdef double[::1] last_tx_v, done_at_v, cpu_v
+    cdef double[::1] done_at_v, cpu_v
 
     # the round
     cdef readonly uint32_t round
     cdef readonly int scale_exp
-    cdef readonly Py_ssize_t next, released, inflight, n_done, n_completed
+    cdef readonly Py_ssize_t n_done, n_completed
     cdef readonly double last_progress
     cdef double t_last_done  # when the last partition completed
-
-    # the round's data packets
-    cdef object tx_data, tx_len, tx_dest, tx_start, tx_lose
-    cdef const uint8_t[:, ::1] txd_v
-    cdef uint8_t[::1] lose_v
-    cdef const int64_t[::1] txl_v, txdest_v, txs_v
-    cdef int64_t* rows
-    cdef uint32_t* rip
-    cdef uint16_t* rport
-    cdef Py_ssize_t rows_cap
-
-    # the entry arena: packet (p, seq)'s entries at pos[p, seq], cnt[p, seq] of them
-    cdef uint32_t* a_idx
-    cdef int32_t* a_val
-    cdef Py_ssize_t a_cap, a_used
-    cdef int32_t* pos
-    cdef uint16_t* cnt
 
     # receiving
     cdef uint8_t* rxbuf
@@ -148,14 +128,6 @@ cdef class RoundEngine:
     cdef mmsghdr* msgs
     cdef iovec* iov
     cdef sockaddr_in* addrs
-
-    # the round's dense output, written partition by partition as they complete (dense_output)
-    cdef object dense_obj, dclear_obj, dstart_obj
-    cdef float[::1] dense_v
-    cdef const uint32_t[::1] dclear_v
-    cdef int64_t[::1] dstart_v
-    cdef bint has_dense
-    cdef double dscale
 
     # STATUS packets for host_lib.round
     cdef readonly object side_data, side_len
@@ -171,20 +143,7 @@ cdef class RoundEngine:
             raise ValueError("RoundEngine needs at least one partition, entry and window slot")
         self.P, self.partition_size, self.numel, self.window = P, partition_size, numel, window
         self.job_id = job_id
-        self.gate_v = np.ascontiguousarray(gate, np.int64)
-        self.dpu_ip_v = np.ascontiguousarray(dpu_ip_be, np.uint32)
-        self.dpu_port_v = np.ascontiguousarray(dpu_port_be, np.uint16)
-        if self.gate_v.shape[0] != P:
-            raise ValueError("gate needs one entry per partition")
-        for p in range(P):
-            if self.gate_v[p] >= p:
-                raise ValueError("a partition's gate must come before it")
         self.ctr = counters
-        self.gso = gso
-        if self.ctr.shape[0] < N_COUNTERS or self.gso.shape[0] < 1:
-            raise ValueError(f"counters needs the {N_COUNTERS} slots of dosa._net.COUNTERS, gso one")
-        # any non-zero 64-bit state for xorshift64 (0 would stay 0)
-        self.rng = ((int(seed) * 0x9E3779B97F4A7C15 + 1) & 0xFFFFFFFFFFFFFFFF) or 1 if seed else 0
         self.sent = np.zeros(P, np.uint8)
         self.done = np.zeros(P, np.uint8)
         self.got = np.zeros((P, MAXPK), np.uint8)
@@ -195,29 +154,25 @@ cdef class RoundEngine:
         self.completed = np.zeros(P, np.int64)
         self.stats = np.zeros(4, np.int64)
         self.cpu = np.zeros(3)
-        self.sent_v, self.done_v, self.got_v = self.sent, self.done, self.got
+        self.done_v, self.got_v = self.done, self.got
         self.res_total_v, self.res_got_v = self.res_total, self.res_got
-        self.last_tx_v, self.done_at_v, self.completed_v = self.last_tx, self.done_at, self.completed
+        self.done_at_v, self.completed_v = self.done_at, self.completed
         self.stats_v, self.cpu_v = self.stats, self.cpu
-        self.pos = <int32_t*>malloc(P * MAXPK * sizeof(int32_t))
-        self.cnt = <uint16_t*>malloc(P * MAXPK * sizeof(uint16_t))
+        self.tx = SendWindow(P, gate, dpu_ip_be, dpu_port_be, window, gso, counters, seed,
+                             self.sent, self.last_tx, self.done)
+        self.arena = ResultArena(P, partition_size, numel)
         self.rxbuf = <uint8_t*>malloc(NMSG * GRO_BUF)
         self.ctrl = <uint8_t*>calloc(NMSG, CTRL_SPACE)
         self.msgs = <mmsghdr*>calloc(NMSG, sizeof(mmsghdr))
         self.iov = <iovec*>calloc(NMSG, sizeof(iovec))
         self.addrs = <sockaddr_in*>calloc(NMSG, sizeof(sockaddr_in))
-        if not (self.pos and self.cnt and self.rxbuf and self.ctrl and self.msgs and self.iov
-                and self.addrs):
+        if not (self.rxbuf and self.ctrl and self.msgs and self.iov and self.addrs):
             raise MemoryError()
         self.side_data = np.zeros((SIDE_SLOTS, 3584), np.uint8)
         self.side_len = np.zeros(SIDE_SLOTS, np.int64)
         self.side_v, self.side_len_v = self.side_data, self.side_len
-        self.load(np.zeros((0, 8), np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64),
-                  np.zeros(P + 1, np.int64))
 
     def __dealloc__(self):
-        free(self.rows); free(self.rip); free(self.rport)
-        free(self.a_idx); free(self.a_val); free(self.pos); free(self.cnt)
         free(self.rxbuf); free(self.ctrl); free(self.msgs); free(self.iov); free(self.addrs)
 
     # ------------------------------------------------------------------ the round's state
@@ -226,11 +181,9 @@ cdef class RoundEngine:
         [0, released) may be sent once their packets are loaded."""
         self.round = round
         self.scale_exp = scale_exp
-        self.released = min(max(released, 0), self.P)
-        self.has_dense = False
-        self.dense_obj = self.dclear_obj = self.dstart_obj = None
-        self.next = self.inflight = self.n_done = self.n_completed = self.n_side = 0
-        self.a_used = 0
+        self.tx.reset(released)
+        self.arena.reset()
+        self.n_done = self.n_completed = self.n_side = 0
         self.sent[:] = 0
         self.done[:] = 0
         self.got[:] = 0
@@ -242,174 +195,49 @@ cdef class RoundEngine:
 
     def dense_output(self, out, clear):
         """Write every partition's result into ``out`` (float32, numel entries) the moment the
-        partition completes: first ``out[i] = 0`` for the indices of ``clear`` inside it (ascending:
-        what the previous round wrote there), then ``out[index] = sum * 2^-scale_exp`` for its
-        entries (the float64 product rounded to float32, as host_lib.quantize.dequantize). So the
-        dense output is written while the round still waits for other partitions, not after the
-        last one; the entries were checked inside their partition when they came in. For this
-        round only: call after ``begin``, before the first ``pump``."""
-        out = np.asarray(out)
-        if out.dtype != np.float32 or out.ndim != 1 or len(out) != self.numel or \
-                not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError(f"dense_output: out must be a writable contiguous float32 array of "
-                             f"{self.numel} entries")
-        clear = np.ascontiguousarray(clear, np.uint32)
-        cdef const uint32_t[::1] cv = clear
-        cdef Py_ssize_t i, nc = len(clear)
-        cdef bint bad = False
-        with nogil:  # one pass, no temporaries (this runs every round on 650k indices)
-            for i in range(nc):
-                if cv[i] >= <uint64_t>self.numel or (i and cv[i] <= cv[i - 1]):
-                    bad = True
-                    break
-        if bad:
-            raise ValueError("dense_output: clear must be ascending unique indices below numel")
+        partition completes, after zeroing there the indices ``clear`` (ResultArena.dense_output).
+        For this round only: call after ``begin``, before the first ``pump``."""
         if self.n_done:
             raise ValueError("dense_output: partitions of this round are in already")
-        bounds = np.minimum(np.arange(self.P + 1, dtype=np.int64) * self.partition_size, self.numel)
-        self.dense_obj, self.dclear_obj = out, clear
-        self.dstart_obj = np.searchsorted(clear, bounds).astype(np.int64)
-        self.dense_v = out
-        self.dclear_v = clear if len(clear) else np.zeros(1, np.uint32)
-        self.dstart_v = self.dstart_obj
-        self.dscale = 2.0 ** -self.scale_exp
-        self.has_dense = True
-
-    cdef void _write_dense(self, uint32_t part) noexcept nogil:
-        """Partition ``part``'s result into the dense output (dense_output)."""
-        cdef Py_ssize_t i, s, j, at, c
-        cdef double f = self.dscale
-        for i in range(self.dstart_v[part], self.dstart_v[part + 1]):
-            self.dense_v[self.dclear_v[i]] = 0
-        for s in range(self.res_total_v[part]):
-            at = self.pos[part * MAXPK + s]
-            c = self.cnt[part * MAXPK + s]
-            for j in range(c):
-                self.dense_v[self.a_idx[at + j]] = <float>(<double>self.a_val[at + j] * f)
+        self.arena.dense_output(out, clear, self.scale_exp)
 
     def load(self, data, lengths, dest, pk_start):
-        """The round's data packets: packet i is ``data[i, :lengths[i]]`` to DPU ``dest[i]``;
-        partition p's are rows ``pk_start[p]:pk_start[p + 1]`` (a SparseStream loads again as it
-        grows: rows of partitions already sent must stay where they were)."""
-        data = np.ascontiguousarray(data, np.uint8)
-        lengths = np.ascontiguousarray(lengths, np.int64)
-        dest = np.ascontiguousarray(dest, np.int64)
-        pk_start = np.ascontiguousarray(pk_start, np.int64)
-        n = len(lengths)
-        if data.ndim != 2 or data.shape[0] != n or len(dest) != n or len(pk_start) != self.P + 1:
-            raise ValueError("load: one slot, length and destination per packet, P + 1 starts")
-        if n and (lengths.min() < 0 or lengths.max() > data.shape[1] or dest.min() < 0
-                  or dest.max() >= self.dpu_ip_v.shape[0]):
-            raise ValueError("load: a packet is longer than its slot or goes to an unknown DPU")
-        if pk_start[0] != 0 or np.any(np.diff(pk_start) < 0) or pk_start[self.P] > n:
-            raise ValueError("load: pk_start must ascend from 0 within the packets")
-        self.tx_data, self.tx_len, self.tx_dest, self.tx_start = data, lengths, dest, pk_start
-        self.txd_v = data if data.shape[0] else np.zeros((1, max(data.shape[1], 8)), np.uint8)
-        self.txl_v, self.txdest_v, self.txs_v = lengths, dest, pk_start
-        self.tx_lose = np.zeros(max(n, 1), np.uint8)
-        self.lose_v = self.tx_lose
-        if n > self.rows_cap:
-            free(self.rows); free(self.rip); free(self.rport)
-            self.rows = <int64_t*>malloc(n * sizeof(int64_t))
-            self.rip = <uint32_t*>malloc(n * sizeof(uint32_t))
-            self.rport = <uint16_t*>malloc(n * sizeof(uint16_t))
-            if not (self.rows and self.rip and self.rport):
-                self.rows_cap = 0
-                raise MemoryError()
-            self.rows_cap = n
+        """The round's data packets (SendWindow.load)."""
+        self.tx.load(data, lengths, dest, pk_start)
 
     def lose_once(self, rows):
         """A test aid (like a drop simulator in a dataplane): the next send of each packet row in
-        ``rows`` is skipped, as if the wire had lost it; later sends (retransmissions) go out."""
-        r = np.asarray(rows, np.int64)
-        if len(r) and (r.min() < 0 or r.max() >= len(self.tx_len)):
-            raise ValueError("lose_once: rows outside the loaded packets")
-        self.tx_lose[r] = 1
+        ``rows`` is skipped, as if the wire had lost it (SendWindow.lose_once)."""
+        self.tx.lose_once(rows)
 
     def release(self, Py_ssize_t upto):
         """Partitions [0, upto) may be sent (a SparseStream hands them over in order)."""
-        if upto < self.released or upto > self.P:
-            raise ValueError(f"release: {upto} is outside {self.released}..{self.P}")
-        self.released = upto
+        self.tx.release(upto)
+
+    @property
+    def released(self) -> int:
+        return self.tx.released
+
+    @property
+    def next(self) -> int:
+        return self.tx.next
+
+    @property
+    def inflight(self) -> int:
+        return self.tx.inflight
 
     @property
     def complete(self) -> bool:
         return self.n_done == self.P
 
     # ------------------------------------------------------------------ send
-    cdef int _send_rows(self, int fd, Py_ssize_t r0, Py_ssize_t r1, int* flags) noexcept nogil:
-        """Send packets r0..r1-1 (in a random order with ``rng``); 0, or an errno (-1: the socket
-        stayed full for 2 s). GSO_OFF in ``flags`` when the path refused GSO in this call."""
-        cdef Py_ssize_t n = r1 - r0, k, j, done_n = 0
-        cdef int64_t t
-        cdef int err = 0
-        cdef bint had_gso
-        cdef uint64_t x
-        if n <= 0:
-            return 0
-        k = 0
-        for j in range(r0, r1):
-            if self.lose_v[j]:
-                self.lose_v[j] = 0  # lose_once: this send of it is "lost"
-                continue
-            self.rows[k] = j
-            k += 1
-        n = k
-        if self.rng:
-            for k in range(n - 1, 0, -1):  # Fisher-Yates with xorshift64
-                x = self.rng
-                x ^= x << 13
-                x ^= x >> 7
-                x ^= x << 17
-                self.rng = x
-                j = <Py_ssize_t>(x % <uint64_t>(k + 1))
-                t = self.rows[k]
-                self.rows[k] = self.rows[j]
-                self.rows[j] = t
-        for k in range(n):
-            self.rip[k] = self.dpu_ip_v[self.txdest_v[self.rows[k]]]
-            self.rport[k] = self.dpu_port_v[self.txdest_v[self.rows[k]]]
-        had_gso = self.gso[0] > 1
-        done_n = send_core(fd, &self.txd_v[0, 0], self.txd_v.shape[1], &self.txl_v[0], self.rows,
-                           n, self.rip, self.rport, 2.0, &self.gso[0], &self.ctr[C_SEND_CALLS],
-                           &self.ctr[C_SEND_DGRAMS], &err)
-        if had_gso and self.gso[0] <= 1:
-            flags[0] |= F_GSO_OFF
-        if not err and done_n < n:
-            err = -1
-        for k in range(done_n):
-            self.ctr[C_SENT_BYTES] += self.txl_v[self.rows[k]]
-        self.ctr[C_SENT_PACKETS] += done_n
-        return err
-
     cdef int _fill(self, int fd, int* flags) noexcept nogil:
-        """Send the partitions the window and the slots allow (module docstring, step 1)."""
-        cdef Py_ssize_t lo = self.next, hi, p, g
-        cdef int err
-        cdef double t
-        if self.inflight >= self.window or lo >= self.released:
-            return 0
-        hi = lo + (self.window - self.inflight)
-        if hi > self.released:
-            hi = self.released
-        for p in range(lo, hi):
-            g = self.gate_v[p]
-            if g >= 0 and not self.done_v[g]:
-                hi = p  # in order: stop at the first partition whose slot is still held
-                break
-        if hi <= lo:
-            return 0
-        err = self._send_rows(fd, self.txs_v[lo], self.txs_v[hi], flags)
-        if err:
-            return err
-        t = now()
-        for p in range(lo, hi):
-            self.sent_v[p] = 1
-            self.last_tx_v[p] = t
-            if not self.done_v[p]:
-                self.inflight += 1
-        self.next = hi
-        return 0
+        """Send what the window allows (module docstring, step 1); GSO_OFF into ``flags``."""
+        cdef bint gso_off = False
+        cdef int err = self.tx.fill(fd, &gso_off)
+        if gso_off:
+            flags[0] |= F_GSO_OFF
+        return err
 
     def fill(self, int fd):
         """Send what the window allows now (SparseStream.send); returns the pump() flags."""
@@ -429,11 +257,9 @@ cdef class RoundEngine:
     # ------------------------------------------------------------------ intake
     cdef void _take(self, const uint8_t* pk, Py_ssize_t plen) noexcept nogil:
         """One received packet (module docstring, step 3)."""
-        cdef uint32_t typ, part, seq, total, count, base, idx, j, m
+        cdef uint32_t typ, part, seq, total, count, base, idx, j
         cdef int64_t lo, hi
-        cdef int32_t v
-        cdef Py_ssize_t at
-        cdef int sparse
+        cdef bint sparse
         if plen < DOSA_HDR_LEN:
             self.stats_v[S_MALFORMED] += 1
             return
@@ -483,25 +309,9 @@ cdef class RoundEngine:
         elif count and (<int64_t>base < lo or <int64_t>base + count > hi):
             self.stats_v[S_MALFORMED] += 1
             return
-        if self.a_used + count > self.a_cap and not self._grow(self.a_used + count):
+        if self.arena.store(pk, sparse, count, base, part * MAXPK + seq) < 0:
             self.stats_v[S_SIDE_DROPPED] += 1  # out of memory: the timers ask again
             return
-        at = self.a_used
-        m = 0
-        if sparse:
-            for j in range(count):
-                self.a_idx[at + j] = base + dosa_sparse_offset(pk, count, j)
-                self.a_val[at + j] = dosa_sparse_value(pk, count, j)
-            m = count
-        else:
-            for j in range(count):  # a dense run carries its span's zero sums: no entries
-                v = dosa_dense_value(pk, count, j)
-                self.a_idx[at + m] = base + j
-                self.a_val[at + m] = v
-                m += v != 0
-        self.a_used += m
-        self.pos[part * MAXPK + seq] = <int32_t>at
-        self.cnt[part * MAXPK + seq] = <uint16_t>m
         self.got_v[part, seq] = 1
         self.res_total_v[part] = total
         self.res_got_v[part] += 1
@@ -510,31 +320,11 @@ cdef class RoundEngine:
             self.t_last_done = now()
             self.done_at_v[part] = self.t_last_done
             self.n_done += 1
-            if self.sent_v[part]:
-                self.inflight -= 1
+            self.tx.partition_done(part)
             self.completed_v[self.n_completed] = part
             self.n_completed += 1
-            if self.has_dense:
-                self._write_dense(part)
-
-    cdef int _grow(self, Py_ssize_t need) noexcept nogil:
-        cdef Py_ssize_t cap = self.a_cap * 2 if self.a_cap else 1 << 16
-        cdef uint32_t* ni
-        cdef int32_t* nv
-        while cap < need:
-            cap *= 2
-        if cap > 0x7FFFFFFF:
-            return 0
-        ni = <uint32_t*>realloc(self.a_idx, cap * sizeof(uint32_t))
-        if ni == NULL:
-            return 0
-        self.a_idx = ni
-        nv = <int32_t*>realloc(self.a_val, cap * sizeof(int32_t))
-        if nv == NULL:
-            return 0
-        self.a_val = nv
-        self.a_cap = cap
-        return 1
+            if self.arena.has_dense:
+                self.arena.write_dense(part, total)
 
     def intake(self, const uint8_t[:, ::1] data, const int64_t[::1] lengths, Py_ssize_t n):
         """Take packets 0..n-1 of a batch as if they had been received (the socket path runs the
@@ -695,10 +485,7 @@ cdef class RoundEngine:
     # ------------------------------------------------------------------ the result
     def result(self, Py_ssize_t lo=0, Py_ssize_t hi=-1):
         """(indices u32, sums int32) of partitions [lo, hi) (default all), in index order; every
-        one of them must be done. Entries are gathered from the arena packet by packet; results
-        are sorted within a partition by the DPU, which is checked (sorted here if not)."""
-        cdef Py_ssize_t p, s, m = 0, k = 0, c, at, t
-        cdef bint ordered = True
+        one of them must be done (ResultArena.gather)."""
         if hi < 0:
             hi = self.P
         if not 0 <= lo <= hi <= self.P:
@@ -706,27 +493,4 @@ cdef class RoundEngine:
         for p in range(lo, hi):
             if not self.done_v[p]:
                 raise ValueError(f"result: partition {p} is not complete")
-            for s in range(self.res_total_v[p]):
-                m += self.cnt[p * MAXPK + s]
-        idx = np.empty(m, np.uint32)
-        val = np.empty(m, np.int32)
-        cdef uint32_t[::1] iv = idx
-        cdef int32_t[::1] vv = val
-        with nogil:
-            for p in range(lo, hi):
-                t = self.res_total_v[p]
-                for s in range(t):
-                    c = self.cnt[p * MAXPK + s]
-                    at = self.pos[p * MAXPK + s]
-                    if c:
-                        memcpy(&iv[k], self.a_idx + at, c * sizeof(uint32_t))
-                        memcpy(&vv[k], self.a_val + at, c * sizeof(int32_t))
-                        k += c
-            for k in range(1, m):
-                if iv[k] <= iv[k - 1]:
-                    ordered = False
-                    break
-        if not ordered:  # not expected from a DPU
-            o = np.argsort(idx, kind="stable")
-            idx, val = idx[o], val[o]
-        return idx, val
+        return self.arena.gather(lo, hi, self.res_total_v)
