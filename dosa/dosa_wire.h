@@ -1,7 +1,7 @@
 /* dosa wire protocol v2: GENERATED from dosa/wire.py by `python -m dosa.gen_headers`;
  * do not edit (tests/unit/test_wire_c_header.py fails when this file and wire.py differ).
  * Spec: docs/protocol.md. All fields big-endian. The check returns DOSA_C_* counters of
- * dataplane/reasons.py, whose enum the loader puts before the program text. */
+ * dosa/counters.py, whose enum is below. */
 #ifndef DOSA_WIRE_H
 #define DOSA_WIRE_H
 
@@ -38,6 +38,36 @@
 #define DOSA_DPU_SENDER_ID 0xFFFF
 #define DOSA_SCALE_EXP_MIN (-32)
 #define DOSA_SCALE_EXP_MAX 62
+
+enum dosa_counter {
+	DOSA_C_SHORT_PACKET = 0,
+	DOSA_C_BAD_MAGIC = 1,
+	DOSA_C_BAD_VERSION = 2,
+	DOSA_C_BAD_TYPE = 3,
+	DOSA_C_COUNT_MISMATCH = 4,
+	DOSA_C_BAD_FIELD = 5,
+	DOSA_C_UNKNOWN_JOB = 6,
+	DOSA_C_UNKNOWN_WORKER = 7,
+	DOSA_C_BAD_SOURCE = 8,
+	DOSA_C_NOT_OWNER = 9,
+	DOSA_C_INDEX_OUT_OF_PARTITION = 10,
+	DOSA_C_ROUND_TOO_OLD = 11,
+	DOSA_C_ROUND_TOO_NEW = 12,
+	DOSA_C_DUPLICATE = 13,
+	DOSA_C_SCALE_MISMATCH = 14,
+	DOSA_C_TOTAL_MISMATCH = 15,
+	DOSA_C_IP_FRAGMENT = 16,
+	DOSA_C_INTERNAL = 17,
+	DOSA_C_MERGED = 18,
+	DOSA_C_PASS_NOT_DOSA = 19,
+	DOSA_C_PASS_CONTROL = 20,
+	DOSA_C_PASS_DUP_OF_COMPLETE = 21,
+	DOSA_C_MERGED_ENTRIES = 22,
+	DOSA_C_COMPLETIONS = 23,
+	DOSA_C_COMPLETION_LOST = 24,
+	DOSA_C_SATURATED_SUMS = 25,
+};
+#define DOSA_NUM_COUNTERS 26
 
 enum dosa_type {
 	DOSA_T_SPARSE_DATA = 1,

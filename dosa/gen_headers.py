@@ -2,8 +2,8 @@
 ``dosa/dosa_wire.h`` from ``dosa/wire.py`` (constants, header struct, the header check).
 
 Run ``python -m dosa.gen_headers`` after changing wire.py; tests/unit/test_wire_c_header.py
-fails while the checked-in file differs from what this writes. (The counter enum of reasons.py is
-not a file: the loader puts it before the program text.)
+fails while the checked-in file differs from what this writes. The header carries the counter
+enum of dosa/counters.py too.
 """
 from __future__ import annotations
 
@@ -17,9 +17,15 @@ GENERATED = {HERE / "dosa_wire.h": wire.c_header}
 
 
 def main(argv: list[str] | None = None) -> int:
+    return write_or_check(GENERATED, "python -m dosa.gen_headers", argv)
+
+
+def write_or_check(generated: dict, command: str, argv: list[str] | None = None) -> int:
+    """Write each ``{path: render}`` file, or with ``--check`` in ``argv`` report the stale ones
+    (exit status 1)."""
     check = "--check" in (argv if argv is not None else sys.argv[1:])
     stale = []
-    for path, render in GENERATED.items():
+    for path, render in generated.items():
         text = render()
         if path.exists() and path.read_text() == text:
             continue
@@ -29,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(f"wrote {path}")
     if stale:
-        print(f"out of date: {', '.join(stale)} (run python -m dosa.gen_headers)")
+        print(f"out of date: {', '.join(stale)} (run {command})")
         return 1
     return 0
 

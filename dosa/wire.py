@@ -17,6 +17,8 @@ from dataclasses import dataclass, fields as dc_fields
 
 import numpy as np
 
+from dosa import counters
+
 MAGIC = 0x444F5341  # b"DOSA"
 VERSION = 2
 DEFAULT_PORT = 4791 + 13000  # 17791; any port can be configured per deployment
@@ -286,7 +288,7 @@ class HeaderRule:
     of :data:`TYPE_TABLES` called like functions, integers, ``+ - * & | ~ == != < <= > >=``, and
     parentheses around every binary operation (Python's ``&`` binds tighter than its comparisons,
     C's does not: full parentheses make both read alike). ``reason`` is the dataplane counter
-    (dataplane/reasons.py, lower case); ``error`` the ProtocolError subclass the scalar check raises;
+    (dosa/counters.py, lower case); ``error`` the ProtocolError subclass the scalar check raises;
     ``message`` a ``str.format`` template over the header's fields, ``length`` and the constants.
     """
 
@@ -616,7 +618,7 @@ def c_header() -> str:
         f"/* dosa wire protocol v{VERSION}: GENERATED from dosa/wire.py by `python -m dosa.gen_headers`;",
         " * do not edit (tests/unit/test_wire_c_header.py fails when this file and wire.py differ).",
         " * Spec: docs/protocol.md. All fields big-endian. The check returns DOSA_C_* counters of",
-        " * dataplane/reasons.py, whose enum the loader puts before the program text. */",
+        " * dosa/counters.py, whose enum is below. */",
         "#ifndef DOSA_WIRE_H", "#define DOSA_WIRE_H", "", "#include <linux/types.h>", "",
         "#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__",
         "#define dosa_ntohs(x) ((__u16)__builtin_bswap16(x))",
@@ -636,6 +638,7 @@ def c_header() -> str:
                   MAX_PARTITIONS=MAX_PARTITIONS, DPU_SENDER_ID=f"0x{DPU_SENDER_ID:04X}",
                   SCALE_EXP_MIN=f"({SCALE_EXP_MIN})", SCALE_EXP_MAX=SCALE_EXP_MAX)
     out += [f"#define {_C_PREFIX}{k} {v}" for k, v in consts.items()]
+    out += ["", counters.c_enum().rstrip()]
     out += ["", "enum dosa_type {"] + [f"\tDOSA_T_{t.name} = {int(t)}," for t in PacketType] + ["};", ""]
     out += [f"#define DOSA_F_{f.name} 0x{int(f):04X}" for f in Flags if int(f)]
     out.append(f"#define DOSA_F_VALID_MASK 0x{FLAGS_VALID_MASK:04X}")

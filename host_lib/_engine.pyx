@@ -49,8 +49,6 @@ cdef extern from "<time.h>":
 
 cdef extern from *:
     """
-    enum { DOSA_C_SHORT_PACKET = 1, DOSA_C_BAD_MAGIC, DOSA_C_BAD_VERSION, DOSA_C_BAD_TYPE,
-           DOSA_C_COUNT_MISMATCH, DOSA_C_BAD_FIELD };
     #include "dosa_wire.h"
 
     static inline uint32_t dosa_be32(const uint8_t *p)

@@ -21,7 +21,8 @@ def test_c_enum_is_generated_from_reasons():
 
 def test_verdicts_and_tallies_partition_the_enum():
     assert set(reasons.VERDICTS) | {reasons.Counter.MERGED_ENTRIES, reasons.Counter.COMPLETIONS,
-                                    reasons.Counter.COMPLETION_LOST} == set(reasons.Counter)
+                                    reasons.Counter.COMPLETION_LOST,
+                                    reasons.Counter.SATURATED_SUMS} == set(reasons.Counter)
     assert [int(c) for c in reasons.Counter] == list(range(reasons.NUM_COUNTERS))
 
 
@@ -36,6 +37,7 @@ def _same(bcc_type, mine):
 @pytest.mark.parametrize("table,part,mine", [
     ("jobs", "Leaf", layout.Job), ("flows", "Key", layout.FlowKey), ("flows", "Leaf", layout.Flow),
     ("pstate", "Leaf", layout.PState), ("wstate", "Leaf", layout.WState),
+    ("pool", "Leaf", layout.Buf), ("settings", "Leaf", layout.Settings),
 ])
 def test_struct_matches_compiled(dp, table, part, mine):
     _same(getattr(dp.bpf[table.encode()], part), mine)
