@@ -77,6 +77,11 @@ def register(sub) -> None:
     jr = jsub.add_parser("rm", help="remove a job (its flows and memory)")
     _common(jr)
     jr.add_argument("--job", type=int, required=True)
+    jr.add_argument("--control", type=_hostport, default=os.environ.get("DOSA_CONTROL") or None,
+                    metavar="ADDR:PORT",
+                    help="remove it through this control plane, from every DPU of the job and its "
+                         "registry (default $DOSA_CONTROL: `dosa testbed exec dN` sets it), signed "
+                         "with the operator key of $DOSA_SECRET_FILE; without: from this dataplane's maps")
     jr.set_defaults(func=cmd_job_rm)
     jl = jsub.add_parser("ls", help="list jobs: from the control plane with their leases, or the "
                                     "dataplane's maps")
@@ -124,7 +129,24 @@ def register(sub) -> None:
     v.add_argument("--pool-buffers", type=int, default=DEFAULT_POOL_BUFFERS,
                    help="aggregation buffers in the pool, 288 KiB each (a job holds 2 a slot)")
     v.add_argument("--keep-state", action="store_true", help="leave the dataplane loaded on exit")
+    v.add_argument("--secret-file", default=os.environ.get("DOSA_SECRET_FILE") or None,
+                   help="the DPU's secret file (every role; made by `dosa testbed up`, `dosa deploy`, "
+                        "`dosa ctl secret`; default $DOSA_SECRET_FILE): every call that changes "
+                        "something must be signed with one of its keys")
+    v.add_argument("--insecure", action="store_true",
+                   help="serve without a secret: anyone who reaches the port may change any job")
+    v.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM, its chain)")
+    v.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    v.add_argument("--tls-ca", default=os.environ.get("DOSA_CONTROL_CA") or None,
+                   help="CA certificate of the other DPUs' control planes, when they serve HTTPS "
+                        "(default $DOSA_CONTROL_CA)")
     v.set_defaults(func=cmd_serve)
+
+    k = csub.add_parser("secret", help="make a deployment secret: the DPUs' file (every role) and the "
+                                       "hosts' (the host key only), mode 0600")
+    k.add_argument("--dpu-file", required=True, help="for `ctl serve` and `dosa ctl` on the DPUs")
+    k.add_argument("--host-file", required=True, help="for the training hosts (DOSA_SECRET_FILE)")
+    k.set_defaults(func=cmd_secret)
 
 
 def _ctl(args):
@@ -169,6 +191,12 @@ def cmd_job_add(args) -> int:
 
 
 def cmd_job_rm(args) -> int:
+    if args.control is not None:
+        from dosa.join import request
+
+        request(args.control, "DELETE", f"/v1/jobs/{args.job}", role="operator")
+        print(f"job {args.job} removed from every DPU of it")
+        return 0
     with _ctl(args) as c:
         c.remove_job(args.job)
         print(f"job {args.job} removed")
@@ -247,11 +275,43 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def cmd_secret(args) -> int:
+    from dosa.auth import make_files
+
+    make_files(args.dpu_file, args.host_file)
+    print(f"secret written: {args.dpu_file} (DPUs: ctl serve --secret-file), {args.host_file} "
+          "(hosts: DOSA_SECRET_FILE)")
+    return 0
+
+
+def _serve_credentials(args):
+    """(secret, TLS context) of `ctl serve`, checked before the dataplane is attached."""
+    from dosa.auth import Secret
+
+    from .api.httpd import server_tls
+
+    if args.secret_file is None and not args.insecure:
+        raise DosaError("ctl serve needs --secret-file (the DPU's secret file: `dosa testbed up` and "
+                        "`dosa deploy` make one, so does `dosa ctl secret`) or --insecure")
+    secret = None
+    if args.secret_file is not None and not args.insecure:
+        secret = Secret.load(args.secret_file)
+        missing = [r for r in ("host", "operator", "peer") if not secret.has(r)]
+        if missing:
+            raise DosaError(f"secret file {args.secret_file} has no {' or '.join(missing)} key: ctl serve "
+                            "needs the DPUs' file, not a host's")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise DosaError("--tls-cert and --tls-key go together")
+    return secret, (server_tls(args.tls_cert, args.tls_key) if args.tls_cert else None)
+
+
 def cmd_serve(args) -> int:
     from dataplane.loader import LoadConfig
 
+    from . import metrics  # noqa: F401  GET /metrics needs prometheus-client: missing, ctl serve says so now
     from .api import DEFAULT_CONTROL_PORT, ControlServer, ControlService
 
+    secret, tls = _serve_credentials(args)
     ctl = None
     if args.mode == "xdp":
         if not args.iface:
@@ -264,15 +324,16 @@ def cmd_serve(args) -> int:
         tag = _instance(args).strip("/").replace("/", "_")
         state = f"/run/dosa/{tag}-api.json"  # the registry survives a restart of this server
         service = ControlService(ctl, address=args.addr, data_port=args.port, control_port=listen[1],
-                                 state_path=state)
+                                 state_path=state, secret=secret, peer_ca=args.tls_ca)
         service.worker_stats = args.worker_stats  # GET /metrics serves the DPU worker's counters too
-        server = ControlServer(service, listen[0], listen[1])
+        server = ControlServer(service, listen[0], listen[1], tls=tls)
 
         def stop(signum, frame):
             raise SystemExit(0)
 
         signal.signal(signal.SIGTERM, stop)
-        print(f"dosa control plane serving on {server.address} ({args.mode} mode)", flush=True)
+        how = ("https" if tls else "http") + (", credentials required" if secret else ", NO credentials")
+        print(f"dosa control plane serving on {server.address} ({args.mode} mode, {how})", flush=True)
         try:
             server.serve_forever()
         except (SystemExit, KeyboardInterrupt):

@@ -9,7 +9,9 @@ scrape reads the counters fresh (nothing is cached) from three places:
   ``ctl serve --worker-stats F``): per job, completions, result packets and entries, answers to
   retransmission requests by outcome, and in userspace mode the merge verdicts (the worker does
   the merge there), plus the worker's own drops;
-- the join API's registry: per job, its workers, members and DPUs.
+- the join API's registry: per job, its workers, members and DPUs;
+- the API server's guard (control/api/guard.py): calls refused for their credential or for a
+  member's session (401/403), by reason, and connections it closed (too many, or too slow).
 
 Rendered by the official client library (``prometheus_client``): a custom collector, so the
 values are the sources' own counters, not copies kept in sync. Names follow Prometheus'
@@ -135,13 +137,39 @@ def _registry_jobs(service) -> list:
     return [count, workers, members, dpus]
 
 
+#: every reason a call is refused (dosa.auth.AuthError reasons, authority.REASON), all always shown
+REFUSED_REASONS = ("no_credential", "bad_credential", "wrong_audience", "bad_signature", "stale",
+                   "replayed", "busy", "role_not_allowed", "not_the_holder")
+DROPPED_REASONS = ("too_many_connections", "no_thread", "request_timeout")
+
+
+def _guard(guard) -> list:
+    refused, dropped = guard.counts()
+    r = CounterMetricFamily("dosa_control_refused_requests",
+                            "Calls to the control API refused (401/403): no, wrong or replayed "
+                            "credential, a role that may not make the call, another member's session",
+                            labels=["reason"])
+    for k in sorted(set(REFUSED_REASONS) | set(refused)):
+        r.add_metric([k], refused.get(k, 0))
+    d = CounterMetricFamily("dosa_control_dropped_connections",
+                            "Connections the control API closed: too many open, or a request that did "
+                            "not arrive within its deadline", labels=["reason"])
+    for k in sorted(set(DROPPED_REASONS) | set(dropped)):
+        d.add_metric([k], dropped.get(k, 0))
+    on = GaugeMetricFamily("dosa_control_credentials_required",
+                           "1 when the control API checks credentials (a deployment secret is set)")
+    on.add_metric([], 1 if guard.enforcing else 0)
+    return [r, d, on]
+
+
 class DosaCollector:
     """prometheus_client collector over a ControlService (its controller is None in userspace
-    mode) and the worker's stats file."""
+    mode), the worker's stats file and the API server's guard (None: not served over HTTP)."""
 
-    def __init__(self, service, worker_stats: str | None = None):
+    def __init__(self, service, worker_stats: str | None = None, guard=None):
         self.service = service
         self.worker_stats = worker_stats
+        self.guard = guard
 
     def collect(self):
         ctl = getattr(self.service, "controller", None)
@@ -155,11 +183,13 @@ class DosaCollector:
             up.add_metric([], 0)
             yield up
         yield from _registry_jobs(self.service)
+        if self.guard is not None:
+            yield from _guard(self.guard)
 
 
-def render(service, worker_stats: str | None = None) -> tuple[bytes, str]:
+def render(service, worker_stats: str | None = None, guard=None) -> tuple[bytes, str]:
     """(body, content type) of one scrape."""
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(DosaCollector(service, worker_stats))
+    reg.register(DosaCollector(service, worker_stats, guard))
     return generate_latest(reg), CONTENT_TYPE_LATEST
 

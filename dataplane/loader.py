@@ -164,11 +164,22 @@ def program_text() -> str:
     return "#define DOSA_BPF 1\n" + SOURCE.read_text()
 
 
+def bcc_class():
+    """BCC's ``BPF`` class, imported at first use: BCC is slow to import, needs root to be useful,
+    and a machine that never loads the program (a training host, a userspace DPU) may lack it. Its
+    absence is one sentence (libbcc links libbpf, so a missing libbpf shows here too)."""
+    try:
+        from bcc import BPF
+    except (ImportError, OSError) as e:
+        raise DosaError(f"loading the XDP dataplane needs BCC (Debian's python3-bpfcc, libbpfcc and "
+                        f"libbpf1; make setup installs them), which cannot be imported: {e}") from None
+    return BPF
+
+
 def compile_program(config: LoadConfig = LoadConfig()):
     """Compile with BCC; returns (bpf, prog_fd). The caller keeps ``bpf`` alive while it uses fds."""
     require_root("loading the XDP dataplane")
-    from bcc import BPF  # imported late: BCC is slow to import and needs root to be useful
-
+    BPF = bcc_class()
     try:
         bpf = BPF(text=program_text().encode(), cflags=[f"-I{HERE}", f"-I{WIRE_HEADER_DIR}", *config.cflags()])
         fn = bpf.load_func(FUNC_NAME.encode(), BPF.XDP)

@@ -1,6 +1,7 @@
 """The ``dosa`` command. Each component owns its subcommands in its own ``cli`` module, which
 exposes ``register(subparsers)`` (top-level commands) and/or ``register_bench(bench_subparsers)``
-(``dosa bench ...``). Handlers are ``args.func(args) -> int``. A DosaError (or a ProtocolError /
+(``dosa bench ...``); only the running command's module is imported (``COMMANDS``), so a machine
+without the DPU side's libraries runs every command that does not need them. Handlers are ``args.func(args) -> int``. A DosaError (or a ProtocolError /
 ValueError raised on bad user input) becomes one line on stderr and exit status 2, and so does a bad
 argument (``_Parser.error``: the sentence and a pointer to ``--help``, not the whole usage). Output
 into a closed pipe (``dosa capture show F | head``) ends quietly with status 141, as for SIGPIPE."""
@@ -13,17 +14,39 @@ import sys
 
 from dosa.errors import DosaError
 
-#: Modules that add commands. A module that is missing its optional dependencies is skipped with
-#: a note in ``dosa --help`` rather than breaking the whole CLI.
-COMMAND_MODULES = [
-    "dosa.capture_cli",
-    "control.cli",
-    "testbed.cli",
-    "dpu_fw.cli",
-    "dpu_fw.offload_cli",
-    "benchmarks.cli",
-    "dosa.demo_cli",
-]
+#: Each top-level command and the module that adds it. Only the module of the command being run is
+#: imported (``dosa capture verify`` never imports the control plane, the testbed or the benchmarks:
+#: a training host or a DPU in userspace mode has no libbpf, BCC or pyroute2); ``dosa --help``
+#: imports them all, and lists one it cannot import with the reason instead of failing.
+COMMANDS = {
+    "capture": "dosa.capture_cli",
+    "ctl": "control.cli",
+    "testbed": "testbed.cli",
+    "deploy": "testbed.cli",
+    "dpu": "dpu_fw.cli",
+    "offload": "dpu_fw.offload_cli",
+    "bench": "benchmarks.cli",
+    "demo": "dosa.demo_cli",
+}
+COMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))
+
+#: Python packages some commands need that a training host may lack: a missing one ends the command
+#: with this sentence instead of a traceback.
+OPTIONAL_PACKAGES = {
+    "torch": "PyTorch (the training host's own build, or: pip install torch)",
+    "pyroute2": "pyroute2 (pip install 'dosa[dpu]')",
+    "prometheus_client": "prometheus-client (pip install 'dosa[dpu]')",
+    "scapy": "scapy (pip install scapy)",
+    "sklearn": "scikit-learn (pip install 'dosa[train]')",
+    "matplotlib": "matplotlib (pip install 'dosa[plot]')",
+    "bcc": "BCC's Python bindings (Debian's python3-bpfcc; make setup installs them)",
+}
+
+
+def _missing_package(e: ModuleNotFoundError) -> str | None:
+    """The sentence for an optional package that is not installed; None for anything else."""
+    top = (e.name or "").split(".")[0]
+    return OPTIONAL_PACKAGES.get(top)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,7 +56,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_of(argv: list[str]) -> str | None:
+    """The command named on the command line (the first word that is not an option), if known."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every command, or, given ``command``, with that command's module only."""
     parser = _Parser(
         prog="dosa", description="DPU-offloaded in-network sparse gradient aggregation.")
     parser.add_argument("--version", action="version", version="dosa 0.1.0")
@@ -41,18 +71,33 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (print ratios against baselines run alongside)")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
     bench.set_defaults(func=lambda a: (bench.print_help(), 2)[1])
-    for name in COMMAND_MODULES:
+    for name in [COMMANDS[command]] if command else COMMAND_MODULES:
         try:
             mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name and (e.name == name or name.startswith(e.name + ".") or e.name.startswith(name)):
-                continue  # that component is not written yet
-            raise
+        except (ImportError, OSError, DosaError) as e:
+            if command:
+                raise
+            _unavailable(sub, name, e)
+            continue
         if hasattr(mod, "register"):
             mod.register(sub)
         if hasattr(mod, "register_bench"):
             mod.register_bench(bench_sub)
     return parser
+
+
+def _unavailable(sub, module: str, e: Exception) -> None:
+    """List the commands of a module that cannot be imported here, with why, in ``dosa --help``;
+    running one says the same sentence."""
+    why = (f"needs {_missing_package(e)}" if isinstance(e, ModuleNotFoundError) and _missing_package(e)
+           else f"cannot be loaded here: {e}")
+    for cmd in (c for c, m in COMMANDS.items() if m == module and c != "bench"):
+        p = sub.add_parser(cmd, help=f"(unavailable: {why})", add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+
+        def refuse(_args, cmd=cmd):
+            raise DosaError(f"dosa {cmd} {why}")
+        p.set_defaults(func=refuse)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,11 +111,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = _command_of(argv)
     try:
+        parser = build_parser(command)
         args = parser.parse_args(argv)
     except DosaError as e:  # a type= check that raised ours instead of argparse's
         print(f"dosa: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # the command's module needs a package that is not installed
+        if not _missing_package(e):
+            raise
+        print(f"dosa: {command} needs {_missing_package(e)}, which is not installed", file=sys.stderr)
         return 2
     if not getattr(args, "func", None):
         parser.print_help()
@@ -80,6 +132,16 @@ def _main(argv: list[str] | None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, inside main, not at interpreter exit
     except DosaError as e:
         print(f"dosa: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # a step of the command needs a package that is not installed
+        if not _missing_package(e):
+            raise
+        print(f"dosa: {command} needs {_missing_package(e)}, which is not installed", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file it may not read or write (not root, a read-only directory)
+        if e.filename is None or isinstance(e, BrokenPipeError):
+            raise
+        print(f"dosa: {command}: {e.strerror or e}: {e.filename}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("dosa: interrupted", file=sys.stderr)

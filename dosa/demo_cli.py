@@ -38,6 +38,9 @@ def register(sub) -> None:
 
 
 def cmd_demo(args) -> int:
+    import sklearn  # noqa: F401  the ranks train on its digits: missing, the demo says so before starting
+    import torch  # noqa: F401
+
     from dosa.demo import format_report, run_demo
 
     cfg = DemoConfig(hosts=args.hosts, dpus=args.dpus, density=args.density, epochs=args.epochs,

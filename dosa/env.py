@@ -11,6 +11,8 @@ DOSA_IFACE             its interface (the Gloo baselines bind to it)
 DOSA_PORT              the job's UDP port (hosts and DPUs)
 DOSA_DPU_ADDRS         comma list of the DPUs' addresses (a first joiner creates the job with them)
 DOSA_CONTROL_ADDR/PORT the control plane to join through
+DOSA_SECRET_FILE       the deployment's secret file (dosa.auth): signs every call to the control plane
+DOSA_CONTROL_CA        the CA certificate of a control plane that serves TLS (then https is used)
 DOSA_JOB_CONFIG        a job file instead (JobConfig.save); no control plane needed
 =====================  =========================================================================
 """
@@ -50,6 +52,8 @@ class RankEnv:
     dpu_addrs: list | None = None
     control: tuple[str, int] | None = None
     job_config: str | None = None
+    secret_file: str | None = None
+    control_ca: str | None = None
 
     @classmethod
     def parse(cls, env=None) -> "RankEnv":
@@ -62,14 +66,17 @@ class RankEnv:
                    port=_int(env, "DOSA_PORT"),
                    dpu_addrs=[a for a in dpus.split(",") if a] if dpus else None,
                    control=(addr, cport) if addr and cport else None,
-                   job_config=env.get("DOSA_JOB_CONFIG") or None)
+                   job_config=env.get("DOSA_JOB_CONFIG") or None,
+                   secret_file=env.get("DOSA_SECRET_FILE") or None,
+                   control_ca=env.get("DOSA_CONTROL_CA") or None)
 
     def to_env(self) -> dict[str, str]:
         """The variables that :meth:`parse` reads back as this (unset fields left out)."""
         out = {}
         for name, v in (("RANK", self.rank), ("WORLD_SIZE", self.world_size), ("DOSA_JOB_ID", self.job_id),
                         ("DOSA_HOST_ADDR", self.host_addr), ("DOSA_IFACE", self.iface), ("DOSA_PORT", self.port),
-                        ("DOSA_JOB_CONFIG", self.job_config)):
+                        ("DOSA_JOB_CONFIG", self.job_config), ("DOSA_SECRET_FILE", self.secret_file),
+                        ("DOSA_CONTROL_CA", self.control_ca)):
             if v is not None:
                 out[name] = str(v)
         if self.dpu_addrs is not None:

@@ -1,46 +1,135 @@
-"""The host's side of the control plane's join API (control/api; docs/control.md): one call
-(:func:`request`), the join (:func:`join_raw`: the answer as sent; :func:`join`: the JobConfig,
-unset arguments from the rank's DOSA_* environment). Stdlib HTTP only: every layer may call it."""
+"""The host's side of the control plane's join API (control/api; docs/control.md): a connection
+(:class:`Channel`: TLS when a CA is given, every call signed with the deployment's secret), one
+call (:func:`request`), the join (:func:`join_raw`: the answer as sent; :func:`join`: the
+JobConfig, unset arguments from the rank's DOSA_* environment). Stdlib HTTP only: every layer may
+call it."""
 from __future__ import annotations
 
+import http.client
 import json
 import logging
+import ssl
 import time
-import urllib.error
-import urllib.request
 
-from dosa import wire
+from dosa import auth, wire
 from dosa.env import RankEnv
 from dosa.errors import DosaError
 from dosa.job import JobConfig
 
 
+_UNSET = object()
+#: per control plane (``ADDR:PORT``): its clock minus ours, learnt from a 401 "stale" answer, so a
+#: DPU whose clock is off (an ARM SoC without a battery-backed clock) is still reachable
+_skew: dict[str, float] = {}
+
+
 def _hostport(control) -> str:
     if isinstance(control, (tuple, list)):
         return f"{control[0]}:{int(control[1])}"
-    return str(control).removeprefix("http://").rstrip("/")
+    return str(control).removeprefix("http://").removeprefix("https://").rstrip("/")
 
 
-def request(control, method: str, path: str, body: dict | None = None, timeout: float = 10.0) -> dict:
-    """One API call; a DosaError carrying the server's one-sentence message on any failure."""
-    hp = _hostport(control)
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"http://{hp}{path}", data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
+class Channel:
+    """How this process talks to one control plane: the address, TLS when a CA certificate is given
+    (``DOSA_CONTROL_CA``: https, the server's certificate checked against it), and the secret that
+    signs each call (``DOSA_SECRET_FILE``; see dosa.auth). Keeps its connection alive between
+    calls (the heartbeat thread makes four a second); ``close()`` ends it."""
+
+    def __init__(self, control, *, secret=_UNSET, ca=_UNSET, role: str | None = None):
+        self.hostport = _hostport(control)
+        host, _, port = self.hostport.rpartition(":")
+        if not host or not port.isdigit():
+            raise DosaError(f"control plane address {self.hostport!r} must be ADDR:PORT")
+        self.host, self.port = host, int(port)
+        self.secret = auth.from_env() if secret is _UNSET else secret
+        self.ca = RankEnv.parse().control_ca if ca is _UNSET else ca
+        self.role = role
+        self._conn: http.client.HTTPConnection | None = None
+
+    def _connect(self, timeout: float) -> http.client.HTTPConnection:
+        if not self.ca:
+            return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
-            msg = json.loads(e.read()).get("error") or e.reason
-        except ValueError:
-            msg = e.reason
-        err = DosaError(f"control plane at {hp}: {msg}")
-        err.status = e.code  # type: ignore[attr-defined]
-        raise err from None
-    except (urllib.error.URLError, OSError, TimeoutError) as e:
-        reason = getattr(e, "reason", e)
-        raise DosaError(f"cannot reach the control plane at {hp}: {reason}") from None
+            ctx = ssl.create_default_context(cafile=self.ca)
+        except (OSError, ssl.SSLError) as e:
+            raise DosaError(f"cannot read the control plane's CA certificate {self.ca}: {e}") from None
+        return http.client.HTTPSConnection(self.host, self.port, timeout=timeout, context=ctx)
+
+    def _headers(self, method: str, path: str, data: bytes, role: str | None) -> dict:
+        h = {"Content-Type": "application/json", "Content-Length": str(len(data))}
+        if self.secret is not None:
+            role = role or self.role or self.secret.default_role()
+            h["Authorization"] = auth.authorization(self.secret, role, self.hostport, method, path, data,
+                                                    now=time.time() + _skew.get(self.hostport, 0.0))
+        return h
+
+    def call(self, method: str, path: str, body: dict | None = None, timeout: float = 10.0,
+             role: str | None = None) -> tuple[int, dict]:
+        """(HTTP status, answer) of one call. A kept-alive connection the server closed meanwhile
+        is opened again once; a 401 for a clock that is off is signed again once with the server's
+        time. A DosaError when the control plane cannot be reached."""
+        data = json.dumps(body).encode() if body is not None else b""
+        reconnect, resign = self._conn is not None, True
+        while True:
+            try:
+                if self._conn is None:
+                    self._conn = self._connect(timeout)
+                self._conn.timeout = timeout
+                if self._conn.sock is not None:
+                    self._conn.sock.settimeout(timeout)
+                self._conn.request(method, path, data, self._headers(method, path, data, role))
+                r = self._conn.getresponse()
+                raw = r.read()
+                if r.will_close:
+                    self.close()
+            except (OSError, http.client.HTTPException) as e:
+                self.close()
+                if reconnect:  # the server had closed the kept-alive connection (idle): once more
+                    reconnect = False
+                    continue
+                raise DosaError(self._unreachable(e)) from None
+            reconnect = False
+            try:
+                ans = json.loads(raw or b"{}")
+            except ValueError:
+                ans = {}
+            if not isinstance(ans, dict):
+                ans = {}
+            if r.status == 401 and ans.get("reason") == "stale" and resign \
+                    and isinstance(ans.get("server_time"), (int, float)):
+                _skew[self.hostport] = ans["server_time"] - time.time()
+                resign = False
+                continue
+            return r.status, ans
+
+    def _unreachable(self, e: Exception) -> str:
+        reason = getattr(e, "reason", None) or e
+        hint = ""
+        if not self.ca and isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError)):
+            hint = " (if it serves TLS, set DOSA_CONTROL_CA to its CA certificate)"
+        return f"cannot reach the control plane at {self.hostport}: {reason}{hint}"
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def request(control, method: str, path: str, body: dict | None = None, timeout: float = 10.0, *,
+            role: str | None = None, secret=_UNSET, ca=_UNSET) -> dict:
+    """One API call; a DosaError carrying the server's one-sentence message (and its HTTP status
+    as ``.status``) on any failure. ``secret`` and ``ca`` default to DOSA_SECRET_FILE and
+    DOSA_CONTROL_CA; ``role`` to the secret's host key (operator and peer calls name theirs)."""
+    ch = Channel(control, secret=secret, ca=ca, role=role)
+    try:
+        status, ans = ch.call(method, path, body, timeout)
+    finally:
+        ch.close()
+    if status != 200:
+        err = DosaError(f"control plane at {ch.hostport}: {ans.get('error') or f'HTTP {status}'}")
+        err.status = status  # type: ignore[attr-defined]
+        raise err
+    return ans
 
 
 def join_raw(control, job_id: int, address: str, port: int | None = None, worker_id: int | None = None,

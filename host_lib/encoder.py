@@ -41,6 +41,7 @@ import torch
 from host_lib.compress import (FAST_MIN_NUMEL, METHODS, FastStats, collect_above, sample_size,
                                sampled_threshold, select_topk, target_k)
 from host_lib._select import add_dequantized, missing_from_sorted, quantize_to_residual
+from host_lib.device import canonical_device
 from host_lib.quantize import _check_scale, clip_bound, dequantize, quantize
 
 BACKENDS = ("auto", "numpy", "torch")
@@ -68,7 +69,8 @@ class RoundEncoder:
         workers: number of hosts summed by the DPU (sets the clip bound).
         method: "exact" or "fast" top-k.
         seed: seeds the fast method's sampling.
-        device: where the residual lives (default CPU); gradients given must be on it.
+        device: where the residual lives (default CPU); gradients given must be on it, by torch's
+            rule (host_lib.device: "cuda" is the current "cuda:N").
         momentum: DGC momentum correction in [0, 1) (the optimizer must then run without momentum).
         momentum_masking: with momentum, zero the velocity of the entries sent.
         backend: "auto" (numpy + Cython on CPU, torch elsewhere), "numpy" (CPU only) or "torch".
@@ -88,7 +90,7 @@ class RoundEncoder:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.device = torch.device(device if device is not None else "cpu")
+        self.device = canonical_device(device)  # "cuda" is the current cuda:N, as the tensors say
         if backend == "auto":
             backend = "numpy" if self.device.type == "cpu" else "torch"
         if backend == "numpy" and self.device.type != "cpu":
@@ -255,7 +257,7 @@ class RoundEncoder:
             g = grad.detach()
             if g.dtype not in _FLOATS:
                 raise ValueError(f"gradient must be a floating-point tensor, got {g.dtype}")
-            if g.device != self.device:
+            if canonical_device(g.device) != self.device:
                 raise ValueError(f"gradient is on {g.device}, the encoder's residual on {self.device}")
         else:
             a = np.asarray(grad)

@@ -12,8 +12,6 @@ the DPUs that drop its packets.
 from __future__ import annotations
 
 import atexit
-import http.client
-import json
 import logging
 import os
 import threading
@@ -22,6 +20,7 @@ import uuid
 import weakref
 
 from dosa.errors import DosaError
+from dosa.join import Channel
 
 log = logging.getLogger("dosa.host")
 HEARTBEAT_S = 0.25  # the server's control.api.lease.HEARTBEAT_S (host_lib does not import control)
@@ -52,7 +51,7 @@ class Membership:
         self._left = False
         self._pid = os.getpid()  # a forked child (a DataLoader worker) must not leave for its parent
         self._stop = threading.Event()
-        self._conn: http.client.HTTPConnection | None = None
+        self._conn: Channel | None = None
         self._t = threading.Thread(target=self._loop, name="dosa-heartbeat", daemon=True)
         self._t.start()
         ref = weakref.ref(self)
@@ -61,27 +60,10 @@ class Membership:
 
     # ---------------------------------------------------------------------------- HTTP
     def _call(self, method: str, path: str, body: dict, timeout: float):
-        """(status, answer) over the kept-alive connection (reconnects once after an error)."""
-        data = json.dumps(body).encode()
-        for attempt in (0, 1):
-            try:
-                if self._conn is None:
-                    self._conn = http.client.HTTPConnection(*self.control, timeout=timeout)
-                self._conn.request(method, path, data, {"Content-Type": "application/json"})
-                r = self._conn.getresponse()
-                raw = r.read()
-                try:
-                    ans = json.loads(raw or b"{}")
-                except ValueError:
-                    ans = {}
-                return r.status, ans
-            except (OSError, http.client.HTTPException):
-                if self._conn is not None:
-                    self._conn.close()
-                self._conn = None
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
+        """(status, answer) over the kept-alive, signed connection (dosa.join.Channel)."""
+        if self._conn is None:
+            self._conn = Channel(self.control)
+        return self._conn.call(method, path, body, timeout)
 
     def _beat(self) -> None:
         body = {"job_id": self.job.job_id, "worker_id": self.worker_id, "session": self.session}
@@ -89,13 +71,13 @@ class Membership:
             body["generation"] = self.generation
         try:
             status, ans = self._call("POST", "/v1/heartbeat", body, timeout=max(1.0, 4 * self.interval))
-        except (OSError, http.client.HTTPException) as e:
+        except DosaError as e:
             log.debug("heartbeat to %s:%d failed: %s", *self.control, e)
             return
         if status == 200:
             self.members = {int(w): m for w, m in (ans.get("lease") or {}).get("members", {}).items()}
             self.answered_at = time.monotonic()
-        elif status in (404, 409):
+        elif status in (401, 403, 404, 409):
             self.broken = ans.get("error") or f"the control plane answered {status}"
             self._stop.set()  # nothing to keep alive any more
 
@@ -141,7 +123,7 @@ class Membership:
                                                              "session": self.session}, timeout=2.0)
                 if status != 200:
                     log.info("leaving job %d: %s", self.job.job_id, ans.get("error", status))
-            except (OSError, http.client.HTTPException) as e:
+            except DosaError as e:
                 log.info("leaving job %d: cannot reach the control plane (%s); its lease will run out",
                          self.job.job_id, e)
         if self._conn is not None:

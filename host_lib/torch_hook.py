@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from host_lib import hook_codec
 from host_lib.compress import METHODS
+from host_lib.device import same_device
 from host_lib.encoder import EncodedRound, RoundEncoder
 
 log = logging.getLogger(__name__)
@@ -536,7 +537,8 @@ def bucket_encoder(encoders: dict, layouts: dict, prev: tuple[dict, dict], bucke
     idx, n = bucket.index(), buf.numel()
     layout = tuple((p.data_ptr(), tuple(p.shape)) for p in bucket.parameters())
     enc = encoders.get(idx)
-    if enc is not None and layouts.get(idx) == layout and enc.numel == n and enc.device == buf.device:
+    if (enc is not None and layouts.get(idx) == layout and enc.numel == n
+            and same_device(enc.device, buf.device)):
         return enc, False
     old_layouts, old_encs = prev
     enc = RoundEncoder(n, density, world, method, seed=1000 * rank + idx, device=buf.device,

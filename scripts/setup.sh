@@ -14,7 +14,7 @@ log() { echo "setup: $*"; }
 [ "$(id -u)" = 0 ] || die "must run as root (it installs Debian packages and needs BPF privileges)"
 
 # 1. Debian packages --------------------------------------------------------
-PKGS="python3-venv clang llvm python3-bpfcc libbpfcc bpfcc-tools linux-headers-amd64 iproute2 ethtool tcpdump bpftool iputils-ping openssh-server rsync tshark curl"
+PKGS="python3-venv clang llvm python3-bpfcc libbpfcc bpfcc-tools linux-headers-amd64 iproute2 ethtool tcpdump bpftool iputils-ping openssh-server rsync tshark curl openssl"
 missing=""
 for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then
@@ -54,13 +54,15 @@ SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 [ -e "$SITE/bcc" ] || ln -sfn /usr/lib/python3/dist-packages/bcc "$SITE/bcc"
 
 # 4. The project, editable, with extras; Cython extensions built ------------
-HASH=$(cat pyproject.toml setup.py $(git ls-files '*.pyx' '*.pxd' 2>/dev/null || true) 2>/dev/null | sha256sum | cut -c1-16)
+# torch is pinned by scripts/constraints.txt (the local CPU build 2.13.0), not by pyproject: a
+# training host that installs dosa keeps its own torch.
+HASH=$(cat pyproject.toml setup.py scripts/constraints.txt $(git ls-files '*.pyx' '*.pxd' 2>/dev/null || true) 2>/dev/null | sha256sum | cut -c1-16)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
     log "installing python packages (torch pinned to the local CPU build 2.13.0)"
     "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
-    "$VENV/bin/pip" install -q "torch==2.13.0"
+    "$VENV/bin/pip" install -q -c scripts/constraints.txt torch
     "$VENV/bin/pip" install -q "cython>=3.0" "numpy>=1.26"
-    "$VENV/bin/pip" install -q --no-build-isolation -e ".[all]"
+    "$VENV/bin/pip" install -q -c scripts/constraints.txt --no-build-isolation -e ".[all]"
     echo "$HASH" > "$STAMP"
 fi
 log "building Cython extensions in place"

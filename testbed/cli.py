@@ -47,6 +47,9 @@ def register(sub) -> None:
                          f"{config.MAX_MTU}: the largest frame native XDP takes on a veth)")
     up.add_argument("--ready-timeout", type=float, default=120.0,
                     help="seconds to wait for the DPU services to become ready")
+    up.add_argument("--tls", action="store_true",
+                    help="the control planes serve HTTPS, with certificates of a CA made for this "
+                         "testbed (ranks get it in DOSA_CONTROL_CA)")
     up.set_defaults(func=cmd_up)
 
     st = tsub.add_parser("status", parents=[common], help="what is up: namespaces, addresses, processes")
@@ -121,7 +124,7 @@ def cmd_up(args) -> int:
     st = tb.up(args.hosts, args.dpus, link_rate=args.link_rate, delay=args.delay, loss=args.loss,
                dup=args.dup, reorder=args.reorder, shape_dpus=args.shape_dpus,
                cpu_split=args.cpu_split, mode=args.mode, services=not args.no_services,
-               ready_timeout=args.ready_timeout, mtu=args.mtu)
+               ready_timeout=args.ready_timeout, mtu=args.mtu, tls=args.tls)
     _print_status(st)
     return 0
 
@@ -217,6 +220,7 @@ def cmd_exec(args) -> int:
     if args.node in dpus:  # `dosa ctl ...` inside a DPU finds its dataplane and control plane
         env["DOSA_PIN_DIR"] = str(tb.pin_dir / dpus[args.node].name)
         env["DOSA_CONTROL"] = f"{dpus[args.node].address}:{st['control_port']}"
+    env.update(tb.credential_env(args.node))  # a DPU's `dosa ctl` is the operator, a host a host
     p = tb.exec_in(args.node, _cmd(args), capture=False, env=env)
     return p.returncode
 

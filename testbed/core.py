@@ -26,7 +26,7 @@ from dosa.env import RankEnv
 from dosa.errors import DosaError
 from dosa.job import DPU_MODES
 
-from testbed import config, impair, ns, state
+from testbed import config, credentials, impair, ns, state
 from testbed.netlink import Netlink, netns_del
 from testbed.capture import CaptureStats, Tcpdump, WireFrames
 from testbed.config import BRIDGE, NODE_IFACE, Layout, Node
@@ -58,6 +58,7 @@ class Testbed:
         self.state_path = config.state_file(self.prefix, self.state_dir)
         self.run_dir = config.run_dir(self.prefix, self.state_dir)
         self.pin_dir = config.pin_dir(self.prefix)
+        self.cred_dir = self.run_dir / "credentials"  # testbed/credentials.py: secret, TLS
         self.services = services or _services_from_env() or dpu_services
         #: show progress while ``up`` builds nodes and starts services (the CLI sets it; dosa.progress)
         self.progress = False
@@ -90,6 +91,18 @@ class Testbed:
         st = st or self._require_state()
         return Layout(self.prefix, st["hosts"], st["dpus"], st["subnet"])
 
+    def _cred(self, name: str) -> str | None:
+        """The path of one of this testbed's credential files, None when it has none."""
+        p = self.cred_dir / name
+        return str(p) if p.exists() else None
+
+    def credential_env(self, node: str) -> dict:
+        """DOSA_SECRET_FILE and DOSA_CONTROL_CA for a command in ``node``: a DPU gets the DPUs'
+        file (operator: ``dosa ctl job rm``), a host the hosts' (what ranks get)."""
+        dpus = {n.name for n in self.layout().dpu_nodes}
+        name = credentials.DPU_SECRET if node in dpus else credentials.HOST_SECRET
+        return {"DOSA_SECRET_FILE": self._cred(name) or "", "DOSA_CONTROL_CA": self._cred(credentials.CA_CERT) or ""}
+
     def namespace(self, name: str) -> str:
         """Namespace of ``h0``/``d1``/``fab`` (or a full namespace name of this testbed)."""
         if name in ("fab", "fabric", config.fabric_ns(self.prefix)):
@@ -104,9 +117,15 @@ class Testbed:
     def up(self, hosts: int, dpus: int, *, link_rate: str | None = None, delay: str | None = None,
            loss=None, dup=None, reorder=None, shape_dpus: bool = False, cpu_split: bool = False,
            mode: str = "xdp", services: bool = True, ready_timeout: float = 120.0,
-           data_port: int = DATA_PORT, control_port: int = CONTROL_PORT, mtu: int | None = None) -> dict:
+           data_port: int = DATA_PORT, control_port: int = CONTROL_PORT, mtu: int | None = None,
+           tls: bool = False) -> dict:
         """Build the topology (and start the DPU services unless ``services=False``); return
         ``status()``. On any failure everything built so far is torn down before the error.
+
+        Every testbed gets a deployment secret (testbed/credentials.py, in the run directory): the
+        control planes take only signed calls, and the ranks get the hosts' file in
+        DOSA_SECRET_FILE. ``tls``: the control planes also serve HTTPS with certificates of a CA
+        made for this testbed (the ranks get it in DOSA_CONTROL_CA).
 
         ``mtu``: of every link, at most ``config.MAX_MTU`` (the largest frame native XDP takes on
         a veth without multi-buffer); default ``config.DEFAULT_MTU``."""
@@ -128,7 +147,7 @@ class Testbed:
                             f"`dosa testbed down{self._prefix_flag()}` first")
         st = {"prefix": self.prefix, "subnet": self.subnet, "hosts": hosts, "dpus": dpus,
               "shaping": shaping.to_json(), "shape_dpus": shape_dpus, "cpu_split": cpu_split,
-              "host_cpus": host_cpus, "dpu_cpus": dpu_cpus, "mode": mode, "services": services,
+              "host_cpus": host_cpus, "dpu_cpus": dpu_cpus, "mode": mode, "services": services, "tls": tls,
               "data_port": data_port, "control_port": control_port, "mtu": mtu,
               "nodes": [n.__dict__ for n in layout.nodes], "fabric_ns": layout.fabric_ns,
               "bridge": BRIDGE, "processes": [], "status": "building", "next_job_id": 1,
@@ -137,6 +156,9 @@ class Testbed:
         try:
             state.save(self.state_path, st)
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            credentials.make_secret(self.cred_dir)
+            if tls:
+                credentials.make_tls(self.cred_dir, {n.name: n.address for n in layout.dpu_nodes})
             self._build(layout, shaping, shape_dpus, mtu)
             st["status"] = "up" if not services else "starting"
             state.save(self.state_path, st)
@@ -244,7 +266,11 @@ class Testbed:
             ctx = DpuContext(index=n.index, iface=NODE_IFACE, address=n.address,
                              host_addrs=host_addrs, mode=st["mode"],
                              pin_dir=str(self.pin_dir / n.name), run_dir=str(self.run_dir),
-                             data_port=st["data_port"], control_port=st["control_port"])
+                             data_port=st["data_port"], control_port=st["control_port"],
+                             secret_file=self._cred(credentials.DPU_SECRET),
+                             tls_cert=self._cred(credentials.cert_files(n.name)[0]),
+                             tls_key=self._cred(credentials.cert_files(n.name)[1]),
+                             ca_file=self._cred(credentials.CA_CERT))
             per_dpu.append((n, list(self.services(ctx))))
         depth = max((len(s) for _, s in per_dpu), default=0)
         # the k-th service of every DPU, then wait for all of them
@@ -269,14 +295,14 @@ class Testbed:
         with open(log, "wb") as f:
             try:
                 p = subprocess.Popen(ns.netns_cmd(node.namespace, spec.argv, st["dpu_cpus"]),
-                                     cwd=REPO_ROOT, env={**os.environ, **spec.env},
+                                     cwd=REPO_ROOT, env={**_own_env(), **spec.env},
                                      stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
                                      start_new_session=True)
             except OSError as e:
                 raise DosaError(f"cannot start {spec.name} on {node.name}: {e}") from None
         rec = {"name": f"{node.name}-{spec.name}", "node": node.name, "namespace": node.namespace,
                "pid": p.pid, "start_time": ns.proc_start_time(p.pid), "argv": spec.argv,
-               "log": str(log), "ready": list(spec.ready) if spec.ready else None}
+               "log": str(log), "ready": list(spec.ready) if spec.ready else None, "env": dict(spec.env)}
         st["processes"].append(rec)
         return p, rec
 
@@ -366,6 +392,7 @@ class Testbed:
                                   "host_cpus", "dpu_cpus", "mode", "services", "data_port",
                                   "control_port")}
         cfg["mtu"] = st.get("mtu")
+        cfg["tls"] = st.get("tls", False)
         out.update({
             "up": st.get("status") == "up" and fab_exists and all(x["exists"] for x in nodes),
             "config": cfg, "nodes": nodes,
@@ -392,10 +419,13 @@ class Testbed:
         dosa_env = RankEnv(rank=rank, world_size=len(hosts), host_addr=hosts[rank].address, iface=NODE_IFACE,
                            job_id=job_id if job_id is not None else st.get("next_job_id", 1),
                            port=st["data_port"], dpu_addrs=[d.address for d in dpus],
-                           control=(dpus[0].address, st["control_port"]) if dpus else None)
+                           control=(dpus[0].address, st["control_port"]) if dpus else None,
+                           secret_file=self._cred(credentials.HOST_SECRET))
         env = {"LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "GROUP_RANK": rank, "ROLE_RANK": rank,
                "ROLE_WORLD_SIZE": len(hosts), "MASTER_ADDR": hosts[0].address, "MASTER_PORT": master_port,
-               "DOSA_TESTBED": self.prefix, **dosa_env.to_env()}
+               "DOSA_TESTBED": self.prefix, **dosa_env.to_env(),
+               # set even when empty: a CA of the caller's own environment must not leak in
+               "DOSA_CONTROL_CA": self._cred(credentials.CA_CERT) or ""}
         return {k: str(v) for k, v in env.items()}
 
     def run(self, argv: list[str], timeout: float | None = None, env: dict | None = None,
@@ -458,6 +488,12 @@ class Testbed:
     def popen_in(self, node: str, argv: list[str], cpus=None, **popen_kw) -> subprocess.Popen:
         """Start ``argv`` inside a node without waiting (the caller owns the process)."""
         return subprocess.Popen(ns.netns_cmd(self.namespace(node), list(argv), cpus), **popen_kw)
+
+
+def _own_env() -> dict:
+    """This process's environment without the credentials of another deployment it may carry:
+    a testbed's services use the testbed's own."""
+    return {k: v for k, v in os.environ.items() if k not in ("DOSA_SECRET_FILE", "DOSA_CONTROL_CA")}
 
 
 def _services_from_env():

@@ -6,28 +6,45 @@ stops at the first failure. The DPU-side command lines come from testbed.service
 the namespace testbed uses, so the two cannot drift.
 
 Per machine (hosts and DPUs): create the remote directory, ship the checkout (rsync, or git clone /
-fetch), ``make setup``. Per DPU: stop what a previous deploy started (pid files), start each
-service detached (setsid nohup, log in /var/log/dosa, pid in /run/dosa), poll its readiness probe.
+fetch), ``make setup``, install its credentials. Per DPU: stop what a previous deploy started (pid
+files), start each service detached (setsid nohup, log in /var/log/dosa, pid in /run/dosa), poll its
+readiness probe.
+
+Credentials (testbed/credentials.py): every deploy makes a new deployment secret (so a deploy
+rotates it) and, with ``tls = true``, a new CA and a certificate for each DPU. They are made in
+memory on this machine when the plan runs (a dry run makes none), reach each machine on ssh's
+stdin (never in a command line, where ``ps`` would show them) and land in ``secret_dir`` with mode
+0600: a DPU gets the DPUs' secret file (every role) and its certificate, a host the hosts' file
+(the host key only), every machine the CA certificate.
 """
 from __future__ import annotations
 
+import io
 import ipaddress
 import re
 import shlex
 import subprocess
-import tomllib
+import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    import tomllib  # novermin (tomli below on 3.10)
+except ModuleNotFoundError:  # Python 3.10: the same parser as the tomli package (a dependency there)
+    import tomli as tomllib
 
 from dosa.env import RankEnv
 from dosa.errors import DosaError
 
+from testbed import credentials
 from testbed.services import CONTROL_PORT, DATA_PORT, DpuContext, dpu_services
 
 EXAMPLE = Path(__file__).with_name("examples") / "inventory.toml"
 REMOTE_RUN = "/run/dosa"
 REMOTE_LOG = "/var/log/dosa"
 REMOTE_PIN = "/sys/fs/bpf/dosa"
+REMOTE_SECRETS = "/etc/dosa"
 DEFAULT_SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
 RSYNC_EXCLUDES = [".git", ".venv", "build", "*.so", "__pycache__", "*.egg-info"]
 READY_POLLS = 300  # x 0.1 s
@@ -65,6 +82,8 @@ class Inventory:
     run_dir: str = REMOTE_RUN  # pid and readiness files on the DPUs
     log_dir: str = REMOTE_LOG  # service logs on the DPUs
     pin_root: str = REMOTE_PIN  # each DPU's dataplane is pinned in <pin_root>/<dpu name>
+    secret_dir: str = REMOTE_SECRETS  # the credentials on every machine (mode 0600)
+    tls: bool = False  # the control planes serve HTTPS with certificates of a CA the deploy makes
 
 
 @dataclass(frozen=True)
@@ -72,6 +91,7 @@ class Step:
     target: str  # machine name
     what: str  # one-line description
     argv: list[str]
+    stdin: object = None  # a function returning the bytes to feed the command (made when it runs)
 
     def shell(self) -> str:
         return shlex.join(self.argv)
@@ -98,7 +118,7 @@ def load_inventory(path: str | Path) -> Inventory:
     if not isinstance(d, dict):
         raise bad("[deploy] must be a table")
     known = {"source", "remote_dir", "method", "git_url", "git_ref", "ssh_options", "data_port",
-             "control_port", "mode", "setup", "run_dir", "log_dir", "pin_root"}
+             "control_port", "mode", "setup", "run_dir", "log_dir", "pin_root", "secret_dir", "tls"}
     if set(d) - known:
         raise bad(f"unknown key(s) in [deploy]: {', '.join(sorted(set(d) - known))}")
 
@@ -167,17 +187,21 @@ def load_inventory(path: str | Path) -> Inventory:
     if not isinstance(setup, str) or not setup.strip():
         raise bad("deploy.setup must be a shell command (default \"make setup\")")
     dirs = {}
-    for k, default in (("run_dir", REMOTE_RUN), ("log_dir", REMOTE_LOG), ("pin_root", REMOTE_PIN)):
+    for k, default in (("run_dir", REMOTE_RUN), ("log_dir", REMOTE_LOG), ("pin_root", REMOTE_PIN),
+                       ("secret_dir", REMOTE_SECRETS)):
         v = d.get(k, default)
         if not isinstance(v, str) or not v.startswith("/") or not _SSH_RE.match(v) or v.rstrip("/") == "":
             raise bad(f"deploy.{k} {v!r} must be an absolute path other than / without spaces or quotes")
         dirs[k] = v.rstrip("/")
+    tls = d.get("tls", False)
+    if not isinstance(tls, bool):
+        raise bad(f"deploy.tls must be true or false, not {tls!r}")
     # a relative source is relative to the inventory file's directory
     src = (path.parent / source).resolve() if not Path(source).is_absolute() else Path(source)
     return Inventory(str(path), tuple(machines["hosts"]), tuple(machines["dpus"]), str(src),
                      remote_dir.rstrip("/"), method, git_url, str(d.get("git_ref", "main")),
                      tuple(opts), ports["data_port"], ports["control_port"], mode, setup.strip(),
-                     **dirs)
+                     **dirs, tls=tls)
 
 
 def _ssh(inv: Inventory, m: Machine, remote: str) -> list[str]:
@@ -201,13 +225,62 @@ def _ship(inv: Inventory, m: Machine) -> list[Step]:
     return steps
 
 
+class Credentials:
+    """The files one deploy hands out (the module doc), made on first use: in a private temporary
+    directory, read into memory and the directory removed at once."""
+
+    def __init__(self, inv: Inventory):
+        self.inv = inv
+        self._files: dict[str, bytes] | None = None
+
+    def _make(self) -> dict[str, bytes]:
+        if self._files is None:
+            with tempfile.TemporaryDirectory(prefix="dosa-deploy-") as tmp:
+                credentials.make_secret(Path(tmp))
+                if self.inv.tls:
+                    credentials.make_tls(Path(tmp), {m.name: m.addr for m in self.inv.dpus})
+                self._files = {p.name: p.read_bytes() for p in Path(tmp).iterdir()}
+        return self._files
+
+    @staticmethod
+    def names(inv: Inventory, m: Machine) -> list[str]:
+        """The files machine ``m`` gets."""
+        if m.role == "dpu":
+            names = [credentials.DPU_SECRET, *(credentials.cert_files(m.name) if inv.tls else ())]
+        else:
+            names = [credentials.HOST_SECRET]
+        return names + ([credentials.CA_CERT] if inv.tls else [])
+
+    def tar(self, m: Machine) -> bytes:
+        """Machine ``m``'s files as a tar archive (what its install step reads on stdin)."""
+        files, buf = self._make(), io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as t:
+            for name in self.names(self.inv, m):
+                info = tarfile.TarInfo(name)
+                info.size, info.mode = len(files[name]), 0o600
+                t.addfile(info, io.BytesIO(files[name]))
+        return buf.getvalue()
+
+
+def _credential_step(inv: Inventory, m: Machine, creds: Credentials) -> Step:
+    d = shlex.quote(inv.secret_dir)
+    return Step(m.name, f"install {', '.join(Credentials.names(inv, m))} in {inv.secret_dir} (on stdin)",
+                _ssh(inv, m, f"umask 077 && mkdir -p {d} && tar -x -f - -C {d} --no-same-owner "
+                             "--no-same-permissions"),
+                stdin=lambda: creds.tar(m))
+
+
 def dpu_context(inv: Inventory, j: int) -> DpuContext:
     m = inv.dpus[j]
+    crt, key = credentials.cert_files(m.name)
+    tls = {"tls_cert": f"{inv.secret_dir}/{crt}", "tls_key": f"{inv.secret_dir}/{key}",
+           "ca_file": f"{inv.secret_dir}/{credentials.CA_CERT}"} if inv.tls else {}
     return DpuContext(index=j, iface=m.iface, address=m.addr,
                       host_addrs=tuple(h.addr for h in inv.hosts), mode=inv.mode,
                       pin_dir=f"{inv.pin_root}/{m.name}", run_dir=inv.run_dir,
                       data_port=inv.data_port, control_port=inv.control_port,
-                      python=(f"{inv.remote_dir}/.venv/bin/python",))
+                      python=(f"{inv.remote_dir}/.venv/bin/python",),
+                      secret_file=f"{inv.secret_dir}/{credentials.DPU_SECRET}", **tls)
 
 
 def _stop_steps(inv: Inventory, j: int) -> list[Step]:
@@ -261,8 +334,9 @@ def _probe_shell(ready) -> str | None:
     raise DosaError(f"unknown readiness probe {ready!r}")
 
 
-def plan(inv: Inventory, stop_only: bool = False) -> list[Step]:
-    """Every command a deploy runs, in order."""
+def plan(inv: Inventory, stop_only: bool = False, creds: Credentials | None = None) -> list[Step]:
+    """Every command a deploy runs, in order (``creds``: the credentials its install steps hand out;
+    default a new set, made only if those steps run)."""
     steps: list[Step] = []
     if not stop_only:
         seen = set()
@@ -270,6 +344,8 @@ def plan(inv: Inventory, stop_only: bool = False) -> list[Step]:
             if m.ssh not in seen:  # one install per machine even if it has several roles
                 seen.add(m.ssh)
                 steps += _ship(inv, m)
+        creds = creds or Credentials(inv)
+        steps += [_credential_step(inv, m, creds) for m in (*inv.dpus, *inv.hosts)]
     for j in range(len(inv.dpus)):
         steps += _stop_steps(inv, j)
     if not stop_only:
@@ -282,14 +358,16 @@ def host_env(inv: Inventory, rank: int) -> dict[str, str]:
     """The DOSA_* variables a training process on host ``rank`` needs (see docs/testbed.md)."""
     h = inv.hosts[rank]
     return RankEnv(rank=None, host_addr=h.addr, iface=h.iface, port=inv.data_port,
-                   dpu_addrs=[d.addr for d in inv.dpus], control=(inv.dpus[0].addr, inv.control_port)).to_env()
+                   dpu_addrs=[d.addr for d in inv.dpus], control=(inv.dpus[0].addr, inv.control_port),
+                   secret_file=f"{inv.secret_dir}/{credentials.HOST_SECRET}",
+                   control_ca=f"{inv.secret_dir}/{credentials.CA_CERT}" if inv.tls else None).to_env()
 
 
 def execute(steps: list[Step], echo=print) -> None:
     for i, s in enumerate(steps, 1):
         echo(f"[{i}/{len(steps)}] {s.target}: {s.what}")
         try:
-            p = subprocess.run(s.argv)
+            p = subprocess.run(s.argv, input=s.stdin() if s.stdin else None)
         except FileNotFoundError:
             raise DosaError(f"{s.argv[0]} is not installed on this machine") from None
         if p.returncode != 0:

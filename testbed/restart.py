@@ -47,7 +47,8 @@ def restart_service(tb, node: str, service: str = "dpu", ready_timeout: float = 
         except FileNotFoundError:
             pass
     st["processes"] = [r for r in st["processes"] if r is not old]
-    p, rec = tb._spawn_service(n, ServiceSpec(name=service, argv=list(old["argv"]), ready=ready), st)
+    p, rec = tb._spawn_service(n, ServiceSpec(name=service, argv=list(old["argv"]), ready=ready,
+                                              env=dict(old.get("env") or {})), st)
     rec["restarts"] = int(old.get("restarts", 0)) + 1
     state.save(tb.state_path, st)
     tb._wait_ready([(p, rec)], ready_timeout)

@@ -46,11 +46,22 @@ class DpuContext:
     data_port: int = DATA_PORT
     control_port: int = CONTROL_PORT
     python: tuple[str, ...] = (sys.executable,)
+    #: the DPUs' secret file (testbed/credentials.py); None: the control plane serves without one
+    secret_file: str | None = None
+    #: TLS: this DPU's certificate and key, and the CA that signed every DPU's (None: plain HTTP)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    ca_file: str | None = None
 
 
 def dpu_services(ctx: DpuContext) -> list[ServiceSpec]:
     """The control plane and the DPU worker of one DPU, in start order."""
     dosa = [*ctx.python, "-m", "dosa"]
+    auth = ["--secret-file", ctx.secret_file] if ctx.secret_file else ["--insecure"]
+    if ctx.tls_cert:
+        auth += ["--tls-cert", ctx.tls_cert, "--tls-key", ctx.tls_key, "--tls-ca", ctx.ca_file]
+    # the worker asks its control plane for its jobs: over https with the CA when it serves TLS
+    env = {"DOSA_CONTROL_CA": ctx.ca_file} if ctx.ca_file else {}
     stats = f"{ctx.run_dir}/dpu{ctx.index}-worker-stats.json"  # the worker's counters, for ctl's /metrics
     # --instance is the absolute pin directory: the dataplane pins its program and maps there, so
     # each DPU (and each testbed prefix) has its own and `down` removes them with the prefix dir
@@ -58,8 +69,8 @@ def dpu_services(ctx: DpuContext) -> list[ServiceSpec]:
         name="ctl",
         argv=[*dosa, "ctl", "serve", "--pin-dir", ctx.pin_dir, "--iface", ctx.iface,
               "--addr", ctx.address, "--listen", f"{ctx.address}:{ctx.control_port}",
-              "--port", str(ctx.data_port), "--mode", ctx.mode, "--worker-stats", stats],
-        ready=("tcp", ctx.control_port))
+              "--port", str(ctx.data_port), "--mode", ctx.mode, "--worker-stats", stats, *auth],
+        ready=("tcp", ctx.control_port), env=env)
     ready = f"{ctx.run_dir}/dpu{ctx.index}-worker.ready"  # dpu run writes it once it is ready
     worker = ServiceSpec(
         name="dpu",
@@ -67,5 +78,5 @@ def dpu_services(ctx: DpuContext) -> list[ServiceSpec]:
               "--addr", ctx.address, "--port", str(ctx.data_port), "--mode", ctx.mode,
               "--dpu-index", str(ctx.index), "--control", f"{ctx.address}:{ctx.control_port}",
               "--pid-file", ready, "--stats-file", stats],
-        ready=("file", ready))
+        ready=("file", ready), env=env)
     return [ctl, worker]

@@ -170,11 +170,12 @@ class SshLab:
         return ["ssh", *self.ssh_options(), self.destination(node), command]
 
     def write_inventory(self, path: Path, remote_dir: Path, source: Path | None = None,
-                        setup: str | None = None, mode: str = "xdp") -> Path:
+                        setup: str | None = None, mode: str = "xdp", tls: bool = False) -> Path:
         """A ``dosa deploy`` inventory of this testbed's nodes, reached through the lab's sshd.
 
-        The run, log and pin directories go under the testbed's own (removed by ``down``), so a
-        deploy into the testbed never touches /run/dosa, /var/log/dosa or another instance."""
+        The run, log, pin and credential directories go under the testbed's own (removed by
+        ``down``), so a deploy into the testbed never touches /run/dosa, /var/log/dosa, /etc/dosa
+        or another instance."""
         from testbed.core import REPO_ROOT
 
         st = self.tb.load_state()
@@ -183,7 +184,8 @@ class SshLab:
                  'method = "rsync"', "ssh_options = [" + ", ".join(q(o) for o in self.ssh_options()) + "]",
                  f"data_port = {st['data_port']}", f"control_port = {st['control_port']}",
                  f"mode = {q(mode)}", f"run_dir = {q(self.tb.run_dir / 'deploy-run')}",
-                 f"log_dir = {q(self.tb.run_dir / 'deploy-log')}", f"pin_root = {q(self.tb.pin_dir)}"]
+                 f"log_dir = {q(self.tb.run_dir / 'deploy-log')}", f"pin_root = {q(self.tb.pin_dir)}",
+                 f"secret_dir = {q(self.tb.run_dir / 'deploy-secrets')}", f"tls = {str(tls).lower()}"]
         if setup is not None:
             lines.append(f"setup = {q(setup)}")
         for role, key in (("host", "hosts"), ("dpu", "dpus")):

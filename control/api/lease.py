@@ -15,11 +15,18 @@ machine) never says goodbye, and its job would hold the DPU's memory and its job
 
 Each job carries a ``generation`` (a counter of this server's creations): a job re-created under the
 same id is another generation, so a heartbeat of the old run is answered 409 ("re-created"), not
-mistaken for the new one. Leases live in memory only: a restarted server grants every member of a
-job it re-read a fresh lease (adopting the first session that beats for it).
+mistaken for the new one.
+
+A session is also the member's authority (docs/control.md, *Credentials*): only a request carrying
+it may heartbeat, leave or re-join as that member. The server keeps a session's SHA-256 only (a
+leaked registry file names no session) and compares in constant time. The digests are saved with
+the registry, so a restarted server gives each member a fresh lease held by the same session
+(never by whichever session beats first).
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import threading
 import time
@@ -36,9 +43,14 @@ def next_generation() -> int:
     return next(_generations)
 
 
+def digest(session: str) -> str:
+    """What the server keeps of a session: its SHA-256 (hex)."""
+    return hashlib.sha256(session.encode()).hexdigest()
+
+
 @dataclass
 class Lease:
-    session: str | None  # None: adopted by the first session that beats (after a server restart)
+    holder: str  # the SHA-256 of the session that joined as this member
     last_seen: float
     waiting: int = 0  # joins of this member blocked in the rendezvous: alive while they wait
 
@@ -55,20 +67,27 @@ class Leases:
         self._jobs: dict[int, dict[int, Lease]] = {}
         self._lock = threading.Lock()
 
-    def grant(self, job_id: int, wid: int, session: str | None) -> None:
+    def grant(self, job_id: int, wid: int, session: str) -> None:
+        self.restore(job_id, wid, digest(session))
+
+    def restore(self, job_id: int, wid: int, holder: str) -> None:
+        """A fresh lease held by the session whose digest is ``holder`` (a restarted server)."""
         with self._lock:
-            self._jobs.setdefault(job_id, {})[wid] = Lease(session, self.clock())
+            self._jobs.setdefault(job_id, {})[wid] = Lease(holder, self.clock())
+
+    def holds(self, job_id: int, wid: int, session: str | None) -> bool:
+        """``session`` is the one that holds this member's lease (constant-time compare)."""
+        h = self.holder(job_id, wid)
+        return h is not None and session is not None and hmac.compare_digest(h, digest(session))
 
     def beat(self, job_id: int, wid: int, session: str) -> str | None:
-        """Renew; None when renewed, else why not (the rank is held by another session)."""
+        """Renew; None when renewed, else why not (no lease, or another session holds it)."""
         with self._lock:
             lease = self._jobs.get(job_id, {}).get(wid)
             if lease is None:
                 return "holds no lease"
-            if lease.session is None:
-                lease.session = session
-            if lease.session != session:
-                return "is held by another run"
+            if not hmac.compare_digest(lease.holder, digest(session)):
+                return "is held by another session"
             lease.last_seen = self.clock()
             return None
 
@@ -87,10 +106,16 @@ class Leases:
             else:
                 self._jobs.get(job_id, {}).pop(wid, None)
 
-    def session(self, job_id: int, wid: int) -> str | None:
+    def holder(self, job_id: int, wid: int) -> str | None:
+        """The digest of the session holding this member's lease (None: no lease)."""
         with self._lock:
             lease = self._jobs.get(job_id, {}).get(wid)
-            return None if lease is None else lease.session
+            return None if lease is None else lease.holder
+
+    def holders(self) -> dict[int, dict[int, str]]:
+        """Every lease's holder, ``{job_id: {worker_id: digest}}`` (saved with the registry)."""
+        with self._lock:
+            return {j: {w: l.holder for w, l in ls.items()} for j, ls in self._jobs.items() if ls}
 
     def ages(self, job_id: int) -> dict[int, float]:
         """Seconds since each leased member's last heartbeat."""

@@ -93,13 +93,13 @@ def reclaim_for_join(svc, job, wid, session: str | None, wait: float) -> bool:
     while True:
         with svc._cv:
             members = list(job.joined)
-            holder = svc.leases.session(job.job_id, wid) if isinstance(wid, int) else None
+            mine = isinstance(wid, int) and svc.leases.holds(job.job_id, wid, session)
         if not members:
             return False
         if svc.leases.all_dead(job.job_id, members):
             release(svc, job.job_id, "a new run joined while every worker of the old one was silent")
             return True
-        held = isinstance(wid, int) and wid in members and holder != session
+        held = isinstance(wid, int) and wid in members and not mine
         if not held:
             return False
         if time.monotonic() > deadline:
@@ -131,8 +131,10 @@ def heartbeat(svc, req: dict) -> dict:
         if wid >= job.workers or job.hosts[wid] is None:
             raise ApiError(404, f"worker {wid} is not a member of job {job_id} any more")
         why = svc.leases.beat(job_id, wid, session)
-        if why is not None:
-            raise ApiError(409, f"worker {wid} of job {job_id} {why}")
+        if why is not None:  # another session's: a 403 (authority.py); no lease: a 409
+            held = svc.leases.holder(job_id, wid) is not None
+            raise ApiError(403 if held else 409, f"worker {wid} of job {job_id} {why}",
+                           "not_the_holder" if held else None)
         return {"job_id": job_id, "generation": gen, "lease": svc.leases.view(job_id, list(job.joined))}
 
 

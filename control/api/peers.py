@@ -14,15 +14,19 @@ from .validation import ApiError
 
 
 class Peers:
-    """Calls to the other DPUs' control servers (same control port on every DPU)."""
+    """Calls to the other DPUs' control servers (same control port on every DPU), signed with the
+    deployment's peer key (none without a secret), over TLS when ``ca`` is given."""
 
-    def __init__(self, address: str, control_port: int, timeout: float):
+    def __init__(self, address: str, control_port: int, timeout: float, secret=None, ca: str | None = None):
         self.address = address
         self.control_port = control_port
         self.timeout = timeout
+        self.secret = secret
+        self.ca = ca
 
     def call(self, address: str, method: str, path: str, body: dict | None = None) -> dict:
-        return request(f"{address}:{self.control_port}", method, path, body, timeout=self.timeout)
+        return request(f"{address}:{self.control_port}", method, path, body, timeout=self.timeout,
+                       role="peer" if self.secret is not None else None, secret=self.secret, ca=self.ca)
 
     def on_all_dpus(self, job: JobConfig, local_fn, method: str, path: str, body: dict | None,
                     undo=None) -> None:

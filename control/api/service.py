@@ -10,7 +10,7 @@ from dosa.errors import DosaError
 from dosa.job import JobConfig
 
 from ..alloc import AdmissionError
-from . import lifecycle
+from . import authority, lifecycle
 from .lease import Leases
 from .peers import Peers, registry_body
 from .persistence import load_jobs, save_jobs
@@ -22,18 +22,21 @@ DEFAULT_CONTROL_PORT = 17800
 
 class ControlService:
     """The API's logic, usable in-process. ``controller`` is this DPU's control.Controller, or None
-    when the DPU merges in user space (then only the registry is kept)."""
+    when the DPU merges in user space (then only the registry is kept). ``secret`` (dosa.auth.Secret,
+    the DPU's: every role) makes the server check every mutating call (router.py, guard.py) and
+    signs this server's calls to the other DPUs with the peer key; ``peer_ca``: their TLS CA."""
 
     def __init__(self, controller=None, address: str = "127.0.0.1", data_port: int = wire.DEFAULT_PORT,
                  control_port: int = DEFAULT_CONTROL_PORT, peer_timeout: float = 5.0,
                  state_path: str | None = None, lease_s: float | None = None,
-                 dead_after: float | None = None, sweep: bool = True):
+                 dead_after: float | None = None, sweep: bool = True, secret=None, peer_ca: str | None = None):
         self.controller = controller
         self.address = address
         self.data_port = data_port
         self.control_port = control_port
         self.peer_timeout = peer_timeout
-        self.peers = Peers(address, control_port, peer_timeout)
+        self.secret = secret
+        self.peers = Peers(address, control_port, peer_timeout, secret, peer_ca)
         self.jobs: dict[int, JobConfig] = {}
         # _cv guards the registry (held briefly, never across a call to another DPU) and wakes
         # rendezvous waiters; _op serialises this server's fan-outs to the DPUs of a job
@@ -60,17 +63,19 @@ class ControlService:
     def _load(self) -> None:
         """Re-read the registry a previous server of this DPU saved, keeping only jobs the local
         dataplane still has (a restarted server must not 404 on, or re-create, a live job)."""
-        for job in load_jobs(self.state_path).values():
+        jobs, holders = load_jobs(self.state_path)
+        for job in jobs.values():
             if self.controller is not None and job.dpu_index(self.address) is not None \
                     and self.controller.maps.job_info(job.job_id) is None:
                 continue
             self.jobs[job.job_id] = job
             lifecycle.note_created(self, job.job_id)
-            for w in job.joined:  # a fresh lease each, adopted by the first session that beats
-                self.leases.grant(job.job_id, w, None)
+            for w, holder in holders.get(job.job_id, {}).items():  # a fresh lease, the same session's
+                if w in job.joined:
+                    self.leases.restore(job.job_id, w, holder)
 
     def _save(self) -> None:
-        save_jobs(self.state_path, self.jobs.values())
+        save_jobs(self.state_path, self.jobs.values(), self.leases.holders())
 
     def _parse_job(self, req: dict, port_field: str = "job_port") -> JobConfig:
         return parse_job(req, self.address, self.data_port, port_field)
@@ -103,7 +108,8 @@ class ControlService:
                 self._save()
                 return lifecycle.decorate(self, job.view())
 
-    def join(self, req: dict) -> dict:
+    def join(self, req: dict, role: str | None = "operator") -> dict:
+        """``role``: the caller's (router.py); per-job authority in authority.py."""
         if not isinstance(req, dict):
             raise bad("the join request must be a JSON object")
         job_id = req_int(req, "job_id", 1, 2**32 - 1)
@@ -138,6 +144,7 @@ class ControlService:
             with self._cv:
                 wid = assign_rank(job, req.get("worker_id", req.get("rank")), address, port)
                 have = job.hosts[wid]
+                authority.check_rejoin(self, job, wid, session, (address, port), role)
             if have is not None and have != (address, port) and not req.get("replace"):
                 raise ApiError(409, f"worker {wid} of job {job_id} already joined from {have[0]}:{have[1]}")
             flow = {"job_id": job_id, "worker_id": wid, "address": address, "port": port}
@@ -175,18 +182,16 @@ class ControlService:
                                     f"others ({self.gone.get(job_id, 'removed')})")
             return lifecycle.decorate(self, job.view(wid))
 
-    def leave(self, req: dict) -> dict:
+    def leave(self, req: dict, role: str | None = "operator") -> dict:
         job_id = req_int(req, "job_id", 1, 2**32 - 1)
         wid = req_int(req, "worker_id", 0, wire.MAX_WORKERS - 1)
+        session = lifecycle.req_session(req)
         with self._op:
             with self._cv:
                 job = self._job(job_id)
                 if wid >= job.workers or job.hosts[wid] is None:
                     raise ApiError(404, f"worker {wid} is not a member of job {job_id}")
-                session = lifecycle.req_session(req)
-                held = self.leases.session(job_id, wid)
-                if session is not None and held is not None and held != session:
-                    raise ApiError(409, f"worker {wid} of job {job_id} is held by another run now")
+                authority.check_leave(self, job_id, wid, session, role)
             self.peers.on_all_dpus(job, lambda i: self.local_remove_flow(job_id, wid), "DELETE",
                               f"/v1/local/flows/{job_id}/{wid}", None)
             with self._cv:

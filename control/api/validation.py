@@ -14,11 +14,13 @@ from dosa.job import DEFAULT_DENSITY, DEFAULT_SCALE_EXP, DEFAULT_SLOTS, MAX_SLOT
 
 
 class ApiError(DosaError):
-    """An error with the HTTP status the server answers it with (400, 404, 409, 502, 504, 507)."""
+    """An error with the HTTP status the server answers it with (400, 403, 404, 409, 502, 504,
+    507); ``reason``: the metrics label of a refused call (403)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, reason: str | None = None):
         super().__init__(message)
         self.status = status
+        self.reason = reason
 
 
 def bad(msg: str) -> ApiError:

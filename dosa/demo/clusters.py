@@ -125,7 +125,7 @@ class LoopbackCluster:
         from dosa.job import JobConfig
 
         self.hosts, self.dpus = hosts, dpus
-        self.workdir = Path(workdir)
+        self.workdir = Path(workdir).resolve()  # the workers run in another directory
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.echo = echo
         extra = {"partition_size": partition_size} if partition_size else {}
@@ -227,7 +227,7 @@ class TestbedCluster:
         from testbed.core import Testbed
 
         self.hosts, self.dpus = hosts, dpus
-        self.workdir = Path(workdir)
+        self.workdir = Path(workdir).resolve()  # the workers run in another directory
         self.echo = echo
         self.cpu_split = cpu_split
         self.tb = Testbed(prefix=prefix)

@@ -1,7 +1,9 @@
 """``dosa deploy --inventory F`` for real: sshd in every testbed namespace, an inventory of those
-addresses with a key made for this test, the deploy run from h0 (the operator's machine is one of
-the hosts), training started over ssh on each host with torchrun through the deployed DPU side,
-``--stop``, and nothing left behind (no sshd, namespace, key, pin or service process).
+addresses with a key made for this test (and ``tls = true``), the deploy run from h0 (the
+operator's machine is one of the hosts), training started over ssh on each host with torchrun
+through the deployed DPU side -- its control plane serving HTTPS with the deploy's CA and taking
+only calls signed with the deploy's secret --, ``--stop``, and nothing left behind (no sshd,
+namespace, key, pin or service process).
 
 One machine shares one file system, so the "remote" checkout is a directory here and its setup
 reuses this checkout's virtual environment (docs/testbed.md says what that leaves untested)."""
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +45,8 @@ def test_deploy_over_ssh_trains_through_the_deployed_dpu_and_leaves_nothing(tmp_
     with scratch_testbed(hosts=2, dpus=1, services=False) as tb:
         with SshLab(tb) as lab:
             lab_dir = str(lab.dir)
-            inv_path = lab.write_inventory(tmp_path / "inventory.toml", remote_dir=remote, setup=SETUP, source=REPO)
+            inv_path = lab.write_inventory(tmp_path / "inventory.toml", remote_dir=remote, setup=SETUP, source=REPO,
+                                           tls=True)
             inv = deploy.load_inventory(inv_path)
 
             p = _dosa(tb, "h0", "deploy", "--inventory", str(inv_path))
@@ -57,6 +61,20 @@ def test_deploy_over_ssh_trains_through_the_deployed_dpu_and_leaves_nothing(tmp_
                 assert os.readlink(f"/proc/{pid}/cwd") == str(remote)
             assert (remote / "host_lib").is_dir() and list((remote / "dosa").glob("_net*.so"))
             assert any(i["xdp"] for i in tb.status()["nodes"][2]["interfaces"])
+            # the credentials: private files, the hosts' with the host key only
+            keys = Path(inv.secret_dir)
+            assert sorted(p.name for p in keys.iterdir()) == ["ca.crt", "d0.crt", "d0.key", "dpu.secret", "host.secret"]
+            assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in keys.iterdir())
+            assert set(json.loads((keys / "host.secret").read_text())["keys"]) == {"host"}
+            # the deployed control plane: HTTPS with the deploy's CA, nothing changes unsigned
+            url = f"https://{inv.dpus[0].addr}:{inv.control_port}"
+            curl = ["curl", "-s", "-m", "10", "-w", "\n%{http_code}", "--cacert", str(keys / "ca.crt")]
+            p = tb.exec_in("h1", [*curl, f"{url}/v1/health"], timeout=30)
+            assert p.stdout.endswith("\n200"), p.stdout + p.stderr
+            p = tb.exec_in("h1", [*curl, "-X", "DELETE", f"{url}/v1/jobs/1"], timeout=30)
+            assert p.stdout.endswith("\n401") and "no_credential" in p.stdout, p.stdout
+            assert tb.exec_in("h1", ["curl", "-s", "-m", "10", f"http://{inv.dpus[0].addr}:{inv.control_port}/v1/health"],
+                              timeout=30).returncode != 0  # no plain HTTP
 
             # train: torchrun on each host over ssh, with the variables the deploy names
             procs = []

@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from dosa.auth import make_files
 from dosa.job import JobConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,6 +67,9 @@ class Lab:
         self.procs: list[subprocess.Popen] = []
         self.pin_dirs: list[str] = []
         self.ctl_procs: list[subprocess.Popen] = []
+        # the control planes take signed calls only: the DPUs' file for them, the hosts' for the hosts
+        self.dpu_secret, self.host_secret = str(self.tmp / "dpu.secret"), str(self.tmp / "host.secret")
+        make_files(self.dpu_secret, self.host_secret)
 
     def impair(self, loss_pct: float, dup_pct: float) -> None:
         """Random loss/duplication on every link, both directions (testbed.impair); 0, 0 removes it."""
@@ -98,6 +102,7 @@ class Lab:
     def _env(self):
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env["DOSA_SECRET_FILE"], env["DOSA_CONTROL_CA"] = self.host_secret, ""
         return env
 
     def start_dpu(self, d: int, job_file: str, mode: str = "userspace", extra=()) -> subprocess.Popen:
@@ -118,7 +123,7 @@ class Lab:
         a = self.dpu_addr[d]
         argv = [*_in_ns(self.dpu_ns[d]), sys.executable, "-m", "dosa", "ctl", "serve",
                 "--instance", pin, "--iface", "eth0", "--addr", a, "--listen", f"{a}:{CONTROL_PORT}",
-                "--port", str(PORT), "--mode", mode,
+                "--port", str(PORT), "--mode", mode, "--secret-file", self.dpu_secret,
                 *(["--pool-slots", str(pool_slots)] if pool_slots else [])]
         log = open(self.tmp / f"ctl{d}.log", "a")
         p = subprocess.Popen(argv, cwd=ROOT, env=self._env(), stdout=log, stderr=subprocess.STDOUT,

@@ -95,12 +95,18 @@ def _wait_health(url, proc, timeout=60):
 
 
 @pytest.mark.parametrize("mode", ["userspace", "xdp"])
-def test_serve_answers_joins_and_cleans_up_on_sigterm(netns_factory, mode):
-    """`dosa ctl serve` inside a DPU namespace, as the testbed starts it: a host joins over HTTP,
-    SIGTERM stops it with status 0, and in xdp mode the program is detached and unloaded."""
+def test_serve_answers_joins_and_cleans_up_on_sigterm(netns_factory, mode, tmp_path, monkeypatch):
+    """`dosa ctl serve` inside a DPU namespace, as the testbed starts it (with the DPUs' secret
+    file): a host with the hosts' file joins over HTTP, one without is refused, SIGTERM stops it
+    with status 0, and in xdp mode the program is detached and unloaded."""
     import signal
 
+    from dosa.auth import make_files
+    from dosa.errors import DosaError
     from dosa.join import join_raw
+
+    make_files(str(tmp_path / "dpu.secret"), str(tmp_path / "host.secret"))
+    monkeypatch.setenv("DOSA_SECRET_FILE", str(tmp_path / "host.secret"))
 
     ns = netns_factory("srv")
     subprocess.run(["ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", "p0"], check=True)
@@ -110,7 +116,8 @@ def test_serve_answers_joins_and_cleans_up_on_sigterm(netns_factory, mode):
     pin = f"/sys/fs/bpf/dosa-srvtest-{uuid.uuid4().hex[:6]}"
     # nsenter --net, as the testbed does: `ip netns exec` would remount /sys and hide the bpffs
     argv = ["nsenter", f"--net=/run/netns/{ns}", "--", sys.executable, "-m", "dosa", "ctl", "serve", "--addr", "10.91.0.1",
-            "--listen", "127.0.0.1:17800", "--mode", mode, "--pin-dir", pin]
+            "--listen", "127.0.0.1:17800", "--mode", mode, "--pin-dir", pin,
+            "--secret-file", str(tmp_path / "dpu.secret")]
     if mode == "xdp":
         argv += ["--iface", "eth0"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -118,6 +125,12 @@ def test_serve_answers_joins_and_cleans_up_on_sigterm(netns_factory, mode):
         from control.netns import run_in_netns
 
         run_in_netns(ns, _wait_health, "127.0.0.1:17800", proc)
+        monkeypatch.setenv("DOSA_SECRET_FILE", "")
+        with pytest.raises(DosaError, match="needs credentials") as refused:
+            run_in_netns(ns, lambda: join_raw("127.0.0.1:17800", 5, "10.91.0.7", 17791, None, 0,
+                                              numel=1000, workers=1))
+        assert refused.value.status == 401
+        monkeypatch.setenv("DOSA_SECRET_FILE", str(tmp_path / "host.secret"))
         resp = run_in_netns(ns, lambda: join_raw("127.0.0.1:17800", 5, "10.91.0.7", 17791, None, 0,
                                                  numel=1000, workers=1))
         assert resp["complete"] and resp["dpus"] == [{"index": 0, "address": "10.91.0.1", "port": 17791}]

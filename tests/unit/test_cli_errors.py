@@ -30,3 +30,29 @@ def test_parse_hostport():
     for bad in ("nohostport", "10.0.1.1:", ":17800", "10.0.1.1:0", "10.0.1.1:x"):
         with pytest.raises(ValueError, match="ADDR:PORT"):
             parse_hostport(bad)
+
+
+@pytest.mark.parametrize("extra,says", [
+    ([], "ctl serve needs --secret-file"),
+    (["--secret-file", "HOST"], "has no operator or peer key: ctl serve needs the DPUs' file"),
+    (["--secret-file", "OPEN"], "may be read by others (mode 644)"),
+    (["--secret-file", "DPU", "--tls-cert", "x.crt"], "--tls-cert and --tls-key go together"),
+    (["--secret-file", "DPU", "--tls-cert", "x.crt", "--tls-key", "x.key"], "cannot load the TLS certificate"),
+])
+def test_ctl_serve_refuses_to_start_without_a_usable_secret_in_one_sentence(extra, says, tmp_path, monkeypatch,
+                                                                           capsys):
+    """Checked before anything is attached or bound: serving without credentials is a choice
+    (--insecure), never an accident."""
+    import os
+
+    from dosa.auth import make_files
+
+    make_files(str(tmp_path / "dpu"), str(tmp_path / "host"))
+    (tmp_path / "open").write_bytes((tmp_path / "dpu").read_bytes())
+    os.chmod(tmp_path / "open", 0o644)
+    files = {"HOST": "host", "DPU": "dpu", "OPEN": "open"}
+    extra = [str(tmp_path / files[x]) if x in files else x for x in extra]
+    monkeypatch.delenv("DOSA_SECRET_FILE", raising=False)
+    rc = main(["ctl", "serve", "--addr", "127.0.0.1", "--mode", "userspace", *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
