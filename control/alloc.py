@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from dataplane.layout import BUF_DTYPE
+from dataplane.layout import BUF_DTYPE, touched_list_cap  # noqa: F401 (admission's list rule)
 from dosa.errors import DosaError
 
 
@@ -51,15 +51,6 @@ def first_fit(used: list[tuple[int, int]], size: int, capacity: int, what: str) 
         raise AdmissionError(f"the job needs {size} {what} but the largest free region has {largest} "
                              f"(of {capacity})", permanent=size > capacity)
     return off
-
-
-def touched_list_cap(stride: int) -> int:
-    """Touched-list capacity of a buffer of ``stride`` sums: a quarter of them, rounded down to a
-    multiple of 4 (the list is copied 4 u16 offsets a word); every buffer has room for the list of
-    a full partition (dataplane.layout.LIST_CAP). Up to 25 % density the DPU worker reads only the
-    listed sums; above, the list overflows and it scans the buffer, which then costs no more per
-    non-zero than the list would. 0 (no lists) for buffers under 16 sums."""
-    return (stride // 4) & ~3
 
 
 @dataclass(frozen=True)

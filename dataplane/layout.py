@@ -89,6 +89,15 @@ assert PSTATE_DTYPE.itemsize == 56 and WSTATE_DTYPE.itemsize == 48 and COMPLETIO
 assert BUF_DTYPE.itemsize == 4 * BUF_SUMS + 8 * LIST_WORDS and BUF_DTYPE.itemsize % 4096 == 0
 
 
+def touched_list_cap(stride: int) -> int:
+    """Touched-list capacity of a buffer of ``stride`` sums: a quarter of them, rounded down to a
+    multiple of 4 (the list is copied 4 u16 offsets a word); every buffer has room for the list of
+    a full partition (LIST_CAP). Up to 25 % density the DPU worker reads only the listed sums;
+    above, the list overflows and it scans the buffer, which then costs no more per non-zero than
+    the list would. 0 (no lists) for buffers under 16 sums."""
+    return (stride // 4) & ~3
+
+
 def c_header() -> str:
     """The text of dataplane/dosa_layout.h (``python -m dataplane.gen_headers``): the constants
     above that the C side (dosa_state.h, the XDP program, the DPU worker's compiled code) shares."""
