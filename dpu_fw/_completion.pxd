@@ -63,6 +63,7 @@ cdef class CompletionEngine:
     cdef public double send_timeout
     # nanoseconds spent in each part (dosa bench dpu, docs/dpu_worker.md)
     cdef public int64_t ns_settle, ns_build, ns_send, completions
+    cdef public int clock
 
     cdef int _find(self, uint32_t job_id) noexcept nogil
     cdef void _settle(self, JobRt* j, uint32_t slot, uint64_t gen) noexcept nogil

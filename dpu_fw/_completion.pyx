@@ -47,6 +47,9 @@ cdef extern from *:
     void store_seq_cst(uint64_t* p, uint64_t v) nogil
     void full_fence() nogil
 
+#: the clocks an engine's time counters can run on (``engine.clock``)
+CLOCK_WALL = CLOCK_MONOTONIC
+CLOCK_THREAD_CPU = CLOCK_THREAD_CPUTIME_ID
 #: jobs one engine serves at most
 ENGINE_MAX_JOBS = MAX_JOBS
 #: the names of a job's engine counters (the S_* slots of _completion.pxd), in order
@@ -66,8 +69,18 @@ cdef enum:
 cdef Py_ssize_t ARENA_STRIDE = _wire.stride_for_mtu(_wire.MAX_MTU)
 
 
-cdef inline int64_t _ns() noexcept nogil:
-    return <int64_t>(now() * 1e9)
+cdef extern from "<time.h>" nogil:
+    enum: CLOCK_MONOTONIC, CLOCK_THREAD_CPUTIME_ID
+    struct timespec:
+        long tv_sec
+        long tv_nsec
+    int clock_gettime(int clk, timespec* ts)
+
+
+cdef inline int64_t _clock_ns(int clk) noexcept nogil:
+    cdef timespec ts
+    clock_gettime(clk, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
 
 
 cdef class CompletionEngine:
@@ -100,6 +113,7 @@ cdef class CompletionEngine:
                 self.lengths and self.pkjob and self.unknown):
             raise MemoryError()
         self.send_timeout = 2.0
+        self.clock = CLOCK_MONOTONIC
 
     def __dealloc__(self):
         free(self.oi); free(self.ov); free(self.topk_scratch); free(self.bits); free(self.arena)
@@ -316,12 +330,12 @@ cdef class CompletionEngine:
                 or partition / j.g.num_dpus >= j.g.num_owned:
             j.stats[S_COMPLETION_UNKNOWN] += 1
             return
-        t0 = _ns()
+        t0 = _clock_ns(self.clock)
         local = partition / j.g.num_dpus
         gen = occupant(&j.g, local, rnd, &slot)
         par = gen & 1
         self._settle(j, slot, gen)
-        t1 = _ns()
+        t1 = _clock_ns(self.clock)
         self.ns_settle += t1 - t0
         b = &j.g.bufs[slot * 2 + par]
         lo = partition * j.g.partition_size
@@ -350,7 +364,7 @@ cdef class CompletionEngine:
         j.stats[S_RESULT_PACKETS] += npk
         j.stats[S_RESULT_ENTRIES] += m
         self.completions += 1
-        self.ns_build += _ns() - t1
+        self.ns_build += _clock_ns(self.clock) - t1
 
     cdef bint _send_space(self, Py_ssize_t n) noexcept nogil:
         cdef int64_t* r
@@ -380,7 +394,7 @@ cdef class CompletionEngine:
         cdef Py_ssize_t r, h, n, total = 0, sent
         cdef int ji, err
         cdef JobRt* j
-        cdef int64_t t0 = _ns()
+        cdef int64_t t0 = _clock_ns(self.clock)
         cdef int64_t calls = 0, dgrams = 0
         if self.used == 0:
             return 0
@@ -429,7 +443,7 @@ cdef class CompletionEngine:
         self.counters[C_SEND_CALLS] += calls
         self.counters[C_SEND_DGRAMS] += dgrams
         self.used = 0
-        self.ns_send += _ns() - t0
+        self.ns_send += _clock_ns(self.clock) - t0
         return <int>total
 
     cdef Py_ssize_t _read_ring(self, dosa_completion* out, Py_ssize_t limit) noexcept nogil:
