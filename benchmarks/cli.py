@@ -10,6 +10,7 @@ import json
 
 from dosa import wire
 from dosa.errors import DosaError
+from dosa.job import RESULT_MODES, ResultMode
 
 
 def register_bench(bench_sub) -> None:
@@ -133,7 +134,7 @@ def _register_allreduce(bench_sub) -> None:
     b.add_argument("--rounds", type=int, default=5, help="timed rounds (after --warmup)")
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--paths", default="xdp,userspace", help="comma list of xdp,userspace")
-    b.add_argument("--mode", choices=("sum", "gtopk"), default="sum")
+    b.add_argument("--mode", choices=RESULT_MODES, default=ResultMode.SUM.value)
     b.add_argument("--json", metavar="FILE", help="write the results as JSON")
     add_bench_options(b)  # baselines, limit, gradients, link rate, plot (runner); skips the above
     b.set_defaults(func=_bench_allreduce)

@@ -35,7 +35,7 @@ from dosa.job import DEFAULT_SCALE_EXP
 from host_lib.compress import target_k
 from host_lib.encoder import RoundEncoder
 from host_lib.hook_codec import next_scale_exp
-from host_lib.torch_hook import bucket_encoder
+from host_lib.hook_encoders import BucketEncoders
 
 METHODS = ("dosa_sum", "dosa_gtopk", "gloo_dense", "gloo_sparse_allgather", "powersgd")
 SPARSE = ("dosa_sum", "dosa_gtopk", "gloo_sparse_allgather")
@@ -92,20 +92,17 @@ class SparseAllgatherState:
                  headroom: float = 2.0):
         self.density, self.momentum, self.headroom = density, momentum, headroom
         self.scale_exp = scale_exp
-        self.encoders: dict[int, RoundEncoder] = {}
-        self.layouts: dict[int, tuple] = {}
-        self.prev: tuple[dict, dict] = ({}, {})
+        self.encoders = BucketEncoders(density, "fast", momentum, True)
         self.max_abs: list[float] = []
 
     def encoder(self, bucket) -> RoundEncoder:
-        """The dosa hook's encoder for this bucket (host_lib.torch_hook.bucket_encoder: the same
-        seeds, and residuals carried over DDP's bucket rebuild), so dosa_sum and this method make
-        the same updates."""
+        """The dosa hook's encoder for this bucket (host_lib.hook_encoders: the same seeds, and
+        residuals carried over DDP's bucket rebuild), so dosa_sum and this method make the same
+        updates."""
         if bucket.index() == 0:
-            self.prev = (dict(self.layouts), dict(self.encoders))
-        return bucket_encoder(self.encoders, self.layouts, self.prev, bucket, bucket.buffer(),
-                              self.density, dist.get_world_size(), dist.get_rank(), "fast",
-                              self.momentum, True)[0]
+            self.encoders.new_step()
+        return self.encoders.for_bucket(bucket, bucket.buffer(), dist.get_world_size(),
+                                        dist.get_rank())[0]
 
 
 def sparse_allgather_hook(state: SparseAllgatherState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

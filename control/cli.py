@@ -11,7 +11,8 @@ from dosa import wire
 from dosa.errors import DosaError
 from dataplane.layout import BUF_DTYPE
 from dataplane.loader import DEFAULT_POOL_BUFFERS
-from dosa.job import DEFAULT_SLOTS, DPU_MODES
+from dosa.job import DEFAULT_SLOTS, DPU_MODES, RESULT_MODES, DpuMode, ResultMode
+from dosa.net import DEFAULT_CONTROL_PORT
 
 
 def _instance(args) -> str:
@@ -69,7 +70,7 @@ def register(sub) -> None:
     ja.add_argument("--num-dpus", type=int, default=1)
     ja.add_argument("--dpu-index", type=int, default=0)
     ja.add_argument("--scale-exp", type=int, default=16)
-    ja.add_argument("--mode", choices=("sum", "gtopk"), default="sum")
+    ja.add_argument("--mode", choices=RESULT_MODES, default=ResultMode.SUM.value)
     ja.add_argument("--port", type=int, default=wire.DEFAULT_PORT)
     ja.add_argument("--slots", type=int, default=DEFAULT_SLOTS,
                     help="aggregation slots here: the job's window of partitions in flight (sets its memory)")
@@ -122,9 +123,10 @@ def register(sub) -> None:
                    help="the DPU worker's stats file (dpu run --stats-file): GET /metrics serves it too")
     v.add_argument("--netns")
     v.add_argument("--addr", required=True, help="this DPU's IPv4 address (as jobs list their DPUs)")
-    v.add_argument("--listen", type=_hostport, help="ADDR:PORT of the API (default: --addr:17800)")
+    v.add_argument("--listen", type=_hostport,
+                   help=f"ADDR:PORT of the API (default: --addr:{DEFAULT_CONTROL_PORT})")
     v.add_argument("--port", type=int, default=wire.DEFAULT_PORT, help="UDP data port of dosa")
-    v.add_argument("--mode", choices=DPU_MODES, default="xdp")
+    v.add_argument("--mode", choices=DPU_MODES, default=DpuMode.XDP.value)
     v.add_argument("--xdp-mode", choices=("auto", "native", "skb"), default="auto")
     v.add_argument("--pool-buffers", type=int, default=DEFAULT_POOL_BUFFERS,
                    help="aggregation buffers in the pool, 288 KiB each (a job holds 2 a slot)")
@@ -309,11 +311,11 @@ def cmd_serve(args) -> int:
     from dataplane.loader import LoadConfig
 
     from . import metrics  # noqa: F401  GET /metrics needs prometheus-client: missing, ctl serve says so now
-    from .api import DEFAULT_CONTROL_PORT, ControlServer, ControlService
+    from .api import ControlServer, ControlService
 
     secret, tls = _serve_credentials(args)
     ctl = None
-    if args.mode == "xdp":
+    if args.mode == DpuMode.XDP:
         if not args.iface:
             raise DosaError("xdp mode needs --iface (the interface to attach the dataplane to)")
         ctl = _ctl(args)

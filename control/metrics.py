@@ -27,6 +27,7 @@ from prometheus_client.core import CollectorRegistry, CounterMetricFamily, Gauge
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from dataplane import reasons
+from dosa.job import DpuMode
 
 #: The worker's stats file is stale (its counters are not served) when older than this.
 STALE_AFTER = 10.0
@@ -101,7 +102,7 @@ def _worker(doc: dict) -> list:
         for o in ANSWER_OUTCOMES:
             answers.add_metric([str(j), o], c.get(o, 0))
         for k, v in sorted(c.items()):
-            if k in verdicts and doc.get("mode") == "userspace":
+            if k in verdicts and doc.get("mode") == DpuMode.USERSPACE:
                 merged.add_metric([str(j), k], v)
     drops = CounterMetricFamily("dosa_worker_dropped_packets",
                                 "Packets the DPU worker's socket received and dropped, by reason",

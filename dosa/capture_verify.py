@@ -11,6 +11,7 @@ import numpy as np
 
 from dosa.capture_decode import (DATA_TYPES, RESULT_TYPES, SEQUENCED_TYPES, _DENSE, _SEQUENCED,
                                  _SPARSE, DosaCapture)
+from dosa.job import ResultMode
 from dosa.wire import Flags, PacketType
 
 # --------------------------------------------------------------------------------------------------
@@ -204,18 +205,34 @@ def verify(cap: DosaCapture, *, partial_edges: bool = False) -> dict:
     Fails closed: an incomplete (job, round, partition) fails the capture. ``partial_edges``
     tolerates those of a job's rounds before its first complete round and after its last one (a
     capture started or stopped mid-run), never one in between (a lost packet the run recovered
-    from is in the capture too: one missing there is a hole in the evidence)."""
-    g = group(cap)
-    h = cap.hdr
-    ng = len(g.keys)
-    drows = _rows_of(cap, DATA_TYPES)
-    rrows = _rows_of(cap, RESULT_TYPES)
-    ds = sender_stats(cap, g, drows)
-    rs = sender_stats(cap, g, rrows)
-    problems = _Problems()
-    reasons: dict[int, list[str]] = {}
+    from is in the capture too: one missing there is a hole in the evidence).
 
-    # ---- completeness: every worker of the job delivered all its seqs; the result has all its seqs
+    Four steps, each its own function: which groups are complete (only those are checked), one
+    scale per group, the sums, the report."""
+    g = group(cap)
+    ds = sender_stats(cap, g, _rows_of(cap, DATA_TYPES))
+    rs = sender_stats(cap, g, _rows_of(cap, RESULT_TYPES))
+    c = _completeness(g, ds, rs)
+    problems = _Problems()
+    _check_scales(g, ds, rs, c.checked, problems)
+    _conflicting_copies(cap, g, problems)
+    problems.by_group = {k: v for k, v in problems.by_group.items() if c.checked[k]}
+    entries = _check_sums(cap, g, c, problems)
+    return _report(cap, g, c, problems, entries, partial_edges)
+
+
+@dataclass
+class _Completeness:
+    """Per group: every worker of the job delivered all its seqs and the result has all its seqs
+    (``checked``), the result is gtopk, and why an incomplete group is."""
+
+    checked: np.ndarray
+    gtopk: np.ndarray
+    reasons: dict[int, list[str]]
+
+
+def _completeness(g: Groups, ds: SenderStats, rs: SenderStats) -> _Completeness:
+    ng = len(g.keys)
     job_of = g.keys[:, 0] if ng else np.zeros(0, np.int64)
     jw = np.unique(np.stack([job_of[ds.gid], ds.sender], 1), axis=0) if len(ds.gid) \
         else np.zeros((0, 2), np.int64)
@@ -234,6 +251,7 @@ def verify(cap: DosaCapture, *, partial_edges: bool = False) -> dict:
     gtopk[rs.gid] = (rs.flags_or & Flags.GTOPK) != 0
     checked = data_complete & res_complete
 
+    reasons: dict[int, list[str]] = {}
     for i in np.flatnonzero(~checked):  # incomplete groups: name what is missing (Python per group)
         r = reasons.setdefault(int(i), [])
         if have_workers[i] == 0:
@@ -250,8 +268,13 @@ def verify(cap: DosaCapture, *, partial_edges: bool = False) -> dict:
         r = reasons.setdefault(int(i), [])
         k = np.flatnonzero(rs.gid == i)
         r.append(f"result: {rs.seqs[k[0]]} of {rs.total[k[0]]} packets" if len(k) else "no result packets")
+    return _Completeness(checked, gtopk, reasons)
 
-    # ---- scale: every data packet of a group and its result use one scale_exp
+
+def _check_scales(g: Groups, ds: SenderStats, rs: SenderStats, checked: np.ndarray,
+                  problems: _Problems) -> None:
+    """Every data packet of a checked group and its result use one scale_exp."""
+    ng = len(g.keys)
     dmin = np.full(ng, 1 << 30)
     dmax = np.full(ng, -(1 << 30))
     np.minimum.at(dmin, ds.gid, ds.scale_min)
@@ -263,10 +286,20 @@ def verify(cap: DosaCapture, *, partial_edges: bool = False) -> dict:
     _add_counted(problems, bad_scale, "scale_exp",
                  {"data_min": dmin[bad_scale], "data_max": dmax[bad_scale], "result": rmin[bad_scale]})
 
-    _conflicting_copies(cap, g, problems)
-    problems.by_group = {k: v for k, v in problems.by_group.items() if checked[k]}
 
-    # ---- the sums: int64 over the first copy of every data packet of checked groups
+def _gidof(k):
+    return k >> _SHIFT
+
+
+def _idxof(k):
+    return k & ((1 << _SHIFT) - 1)
+
+
+def _entries(cap: DosaCapture, g: Groups, checked: np.ndarray):
+    """The checked groups' entries, keyed ``group << _SHIFT | index`` and sorted: the true sums
+    ``(key, int64 sum)`` over the first copy of every data packet, and the result entries ``(key,
+    value, sparse)`` as sent (duplicates kept: they are a problem to report)."""
+    h = cap.hdr
     epk = cap.entry_pkt
     egid = g.gid[epk]
     use = g.first[epk] & (egid >= 0)
@@ -278,7 +311,6 @@ def verify(cap: DosaCapture, *, partial_edges: bool = False) -> dict:
     o = np.argsort(dkey, kind="stable")
     dkey, dval = dkey[o], dval[o]
     st = np.flatnonzero(np.r_[True, dkey[1:] != dkey[:-1]]) if len(dkey) else np.zeros(0, np.int64)
-    tkey = dkey[st]
     tsum = np.add.reduceat(dval, st) if len(st) else np.zeros(0, np.int64)
 
     rsel = use & ~is_data
@@ -286,50 +318,53 @@ def verify(cap: DosaCapture, *, partial_edges: bool = False) -> dict:
     rval = cap.entry_value[rsel]
     rsparse = _SPARSE[h["type"][epk[rsel]].astype(np.int64)]
     o = np.argsort(rkey, kind="stable")
-    rkey, rval, rsparse = rkey[o], rval[o], rsparse[o]
-    gidof = lambda k: k >> _SHIFT  # noqa: E731
-    idxof = lambda k: k & ((1 << _SHIFT) - 1)  # noqa: E731
+    return (dkey[st], tsum), (rkey[o], rval[o], rsparse[o])
+
+
+def _check_sums(cap: DosaCapture, g: Groups, c: _Completeness, problems: _Problems) -> int:
+    """The true sums (int64 over the first copy of every data packet of the checked groups)
+    against the result entries: duplicates, wrong values, zero sums sent, true sums missing (sum
+    mode) or not among the largest (gtopk, ties at the boundary allowed). Returns the number of
+    result entries checked."""
+    ng, gtopk = len(g.keys), c.gtopk
+    (tkey, tsum), (rkey, rval, rsparse) = _entries(cap, g, c.checked)
 
     dupk = np.flatnonzero(rkey[1:] == rkey[:-1]) + 1 if len(rkey) else np.zeros(0, np.int64)
-    _add_counted(problems, gidof(rkey[dupk]), "duplicate_index",
-                 {"index": idxof(rkey[dupk]), "got": rval[dupk]})
+    _add_counted(problems, _gidof(rkey[dupk]), "duplicate_index",
+                 {"index": _idxof(rkey[dupk]), "got": rval[dupk]})
     pos = np.clip(np.searchsorted(tkey, rkey), 0, max(len(tkey) - 1, 0))
     found = (tkey[pos] == rkey) if len(tkey) else np.zeros(len(rkey), bool)
     expected = np.where(found, tsum[pos] if len(tsum) else 0, 0)
     wrong = np.flatnonzero(rval != expected)
-    _add_counted(problems, gidof(rkey[wrong]), "wrong_value",
-                 {"index": idxof(rkey[wrong]), "expected": expected[wrong], "got": rval[wrong]})
+    _add_counted(problems, _gidof(rkey[wrong]), "wrong_value",
+                 {"index": _idxof(rkey[wrong]), "expected": expected[wrong], "got": rval[wrong]})
     zero = np.flatnonzero(rsparse & (rval == 0) & (expected == 0))
-    _add_counted(problems, gidof(rkey[zero]), "zero_sum_entry", {"index": idxof(rkey[zero])})
+    _add_counted(problems, _gidof(rkey[zero]), "zero_sum_entry", {"index": _idxof(rkey[zero])})
 
     # true non-zero sums the result does not carry
     returned = np.zeros(len(tkey), bool)
     returned[pos[found]] = True
     missing = (tsum != 0) & ~returned
-    tg = gidof(tkey)
+    tg = _gidof(tkey)
     miss_sum = np.flatnonzero(missing & ~gtopk[tg]) if len(tkey) else np.zeros(0, np.int64)
     _add_counted(problems, tg[miss_sum], "missing_index",
-                 {"index": idxof(tkey[miss_sum]), "expected": tsum[miss_sum]})
+                 {"index": _idxof(tkey[miss_sum]), "expected": tsum[miss_sum]})
     # gtopk: the returned set must be the largest |sum| (ties at the boundary allowed)
-    rg = gidof(rkey)
+    rg = _gidof(rkey)
     min_ret = np.full(ng, np.iinfo(np.int64).max)
     np.minimum.at(min_ret, rg, np.abs(rval))
     miss_k = np.flatnonzero(missing & gtopk[tg]) if len(tkey) else np.zeros(0, np.int64)
     not_top = miss_k[np.abs(tsum[miss_k]) > min_ret[tg[miss_k]]]
     _add_counted(problems, tg[not_top], "not_top_k",
-                 {"index": idxof(tkey[not_top]), "sum": tsum[not_top],
+                 {"index": _idxof(tkey[not_top]), "sum": tsum[not_top],
                   "smallest_returned": min_ret[tg[not_top]]})
+    return int(len(rkey))
 
-    # ---- report
-    def where(i):
-        j, r, p = (int(x) for x in g.keys[i])
-        return {"job": j, "round": r, "partition": p}
 
-    mismatches = [{**where(i), "mode": "gtopk" if gtopk[i] else "sum", "problems": v["count"],
-                   "kinds": v["kinds"], "details": v["details"]}
-                  for i, v in sorted(problems.by_group.items())]
-    # a job's complete rounds (every group of the round checked): incomplete groups outside
-    # [first, last] complete round are at the capture's edges
+def _edge_groups(g: Groups, checked: np.ndarray) -> np.ndarray:
+    """Per group: outside its job's first..last complete round (every group of the round
+    checked), i.e. at the capture's edges."""
+    ng = len(g.keys)
     jr = g.keys[:, :2] if ng else np.zeros((0, 2), np.int64)
     edge = np.ones(ng, bool)
     if ng:
@@ -341,7 +376,23 @@ def verify(cap: DosaCapture, *, partial_edges: bool = False) -> dict:
             if len(rr):
                 mine = jr[:, 0] == j
                 edge[mine] = (jr[mine, 1] < rr.min()) | (jr[mine, 1] > rr.max())
-    incomplete = [{**where(i), "missing": reasons.get(int(i), []), "edge": bool(edge[i])}
+    return edge
+
+
+def _report(cap: DosaCapture, g: Groups, c: _Completeness, problems: _Problems, entries: int,
+            partial_edges: bool) -> dict:
+    """The JSON report (docs/capture.md): its keys are the command's output."""
+    checked, gtopk = c.checked, c.gtopk
+
+    def where(i):
+        j, r, p = (int(x) for x in g.keys[i])
+        return {"job": j, "round": r, "partition": p}
+
+    mismatches = [{**where(i), "mode": ResultMode.GTOPK.value if gtopk[i] else ResultMode.SUM.value,
+                   "problems": v["count"], "kinds": v["kinds"], "details": v["details"]}
+                  for i, v in sorted(problems.by_group.items())]
+    edge = _edge_groups(g, checked)
+    incomplete = [{**where(i), "missing": c.reasons.get(int(i), []), "edge": bool(edge[i])}
                   for i in np.flatnonzero(~checked)]
     inner = sum(1 for x in incomplete if not x["edge"])
     n_checked = int(checked.sum())
@@ -351,4 +402,4 @@ def verify(cap: DosaCapture, *, partial_edges: bool = False) -> dict:
             "incomplete_inner": inner,
             "rounds": len({tuple(g.keys[i, :2]) for i in np.flatnonzero(checked)}),
             "partitions": n_checked, "gtopk_partitions": int((checked & gtopk).sum()),
-            "entries_checked": int(len(rkey)), "capture": cap.stats}
+            "entries_checked": entries, "capture": cap.stats}

@@ -146,6 +146,15 @@ static __always_inline __u32 dosa_sparse(__u32 type)
 	return 0;
 }
 
+static __always_inline __u32 dosa_dense(__u32 type)
+{
+	if (type == DOSA_T_DENSE_DATA)
+		return 1;
+	if (type == DOSA_T_DENSE_RESULT)
+		return 1;
+	return 0;
+}
+
 static __always_inline __u32 dosa_entry_len(__u32 type)
 {
 	if (type == DOSA_T_SPARSE_DATA)
@@ -241,6 +250,170 @@ static __always_inline int dosa_check_header(const struct dosa_hdr *h, __u32 ple
 	(void)f_job_id;
 	(void)f_round;
 	return -1;
+}
+
+/* Big-endian integers at a byte pointer (any alignment), in host order: every reader and writer
+ * of a packet's fields and entries below goes through these. */
+static __always_inline __u32 dosa_get_be16(const __u8 *p)
+{
+	return ((__u32)p[0] << 8) | p[1];
+}
+
+static __always_inline __u32 dosa_get_be32(const __u8 *p)
+{
+	return ((__u32)p[0] << 24) | ((__u32)p[1] << 16) | ((__u32)p[2] << 8) | p[3];
+}
+
+static __always_inline void dosa_put_be16(__u8 *p, __u32 v)
+{
+	p[0] = (__u8)(v >> 8);
+	p[1] = (__u8)v;
+}
+
+static __always_inline void dosa_put_be32(__u8 *p, __u32 v)
+{
+	p[0] = (__u8)(v >> 24);
+	p[1] = (__u8)(v >> 16);
+	p[2] = (__u8)(v >> 8);
+	p[3] = (__u8)v;
+}
+
+/* A packet's header fields and entries at the byte pointer pk to its first header byte, in
+ * host order (dosa/wire.py HEADER_FIELDS and PAYLOAD_BLOCKS): dosa_hdr_<field>(pk);
+ * dosa_<layout>_<block>(pk, count, j) is entry j of a packet of count entries and
+ * dosa_put_<layout>_<block>(pk, count, j, v) writes it. No caller spells an offset. */
+static __always_inline __u32 dosa_hdr_magic(const __u8 *pk)
+{
+	return dosa_get_be32(pk + 0);
+}
+
+static __always_inline __u32 dosa_hdr_version(const __u8 *pk)
+{
+	return pk[4];
+}
+
+static __always_inline __u32 dosa_hdr_type(const __u8 *pk)
+{
+	return pk[5];
+}
+
+static __always_inline __u32 dosa_hdr_flags(const __u8 *pk)
+{
+	return dosa_get_be16(pk + 6);
+}
+
+static __always_inline __u32 dosa_hdr_job_id(const __u8 *pk)
+{
+	return dosa_get_be32(pk + 8);
+}
+
+static __always_inline __u32 dosa_hdr_worker_id(const __u8 *pk)
+{
+	return dosa_get_be16(pk + 12);
+}
+
+static __always_inline __u32 dosa_hdr_partition(const __u8 *pk)
+{
+	return dosa_get_be16(pk + 14);
+}
+
+static __always_inline __u32 dosa_hdr_round(const __u8 *pk)
+{
+	return dosa_get_be32(pk + 16);
+}
+
+static __always_inline __u32 dosa_hdr_seq(const __u8 *pk)
+{
+	return dosa_get_be16(pk + 20);
+}
+
+static __always_inline __u32 dosa_hdr_count(const __u8 *pk)
+{
+	return dosa_get_be16(pk + 22);
+}
+
+static __always_inline __u32 dosa_hdr_total(const __u8 *pk)
+{
+	return dosa_get_be16(pk + 24);
+}
+
+static __always_inline __s32 dosa_hdr_scale_exp(const __u8 *pk)
+{
+	return (__s8)pk[26];
+}
+
+static __always_inline __u32 dosa_hdr_reserved(const __u8 *pk)
+{
+	return pk[27];
+}
+
+static __always_inline __u32 dosa_hdr_base(const __u8 *pk)
+{
+	return dosa_get_be32(pk + 28);
+}
+
+static __always_inline __u32 dosa_sparse_offset(const __u8 *pk, __u32 count, __u32 j)
+{
+	(void)count;
+	return dosa_get_be16(pk + DOSA_HDR_LEN + 2 * j);
+}
+
+static __always_inline void dosa_put_sparse_offset(__u8 *pk, __u32 count, __u32 j, __u32 v)
+{
+	(void)count;
+	dosa_put_be16(pk + DOSA_HDR_LEN + 2 * j, (__u32)v);
+}
+
+static __always_inline __s32 dosa_sparse_value(const __u8 *pk, __u32 count, __u32 j)
+{
+	return (__s32)dosa_get_be32(pk + DOSA_HDR_LEN + 2 * count + 2 * (count & 1) + 4 * j);
+}
+
+static __always_inline void dosa_put_sparse_value(__u8 *pk, __u32 count, __u32 j, __s32 v)
+{
+	dosa_put_be32(pk + DOSA_HDR_LEN + 2 * count + 2 * (count & 1) + 4 * j, (__u32)v);
+}
+
+static __always_inline void dosa_put_sparse_pad(__u8 *pk, __u32 count)
+{
+	if (count & 1)
+		dosa_put_be16(pk + DOSA_HDR_LEN + 2 * count, 0);
+}
+
+static __always_inline __s32 dosa_dense_value(const __u8 *pk, __u32 count, __u32 j)
+{
+	(void)count;
+	return (__s32)dosa_get_be32(pk + DOSA_HDR_LEN + 4 * j);
+}
+
+static __always_inline void dosa_put_dense_value(__u8 *pk, __u32 count, __u32 j, __s32 v)
+{
+	(void)count;
+	dosa_put_be32(pk + DOSA_HDR_LEN + 4 * j, (__u32)v);
+}
+
+static __always_inline __u32 dosa_retx_seq(const __u8 *pk, __u32 count, __u32 j)
+{
+	(void)count;
+	return dosa_get_be32(pk + DOSA_HDR_LEN + 4 * j);
+}
+
+static __always_inline void dosa_put_retx_seq(__u8 *pk, __u32 count, __u32 j, __u32 v)
+{
+	(void)count;
+	dosa_put_be32(pk + DOSA_HDR_LEN + 4 * j, (__u32)v);
+}
+
+static __always_inline __u32 dosa_status_worker_id(const __u8 *pk, __u32 count, __u32 j)
+{
+	(void)count;
+	return dosa_get_be32(pk + DOSA_HDR_LEN + 4 * j);
+}
+
+static __always_inline void dosa_put_status_worker_id(__u8 *pk, __u32 count, __u32 j, __u32 v)
+{
+	(void)count;
+	dosa_put_be32(pk + DOSA_HDR_LEN + 4 * j, (__u32)v);
 }
 
 #endif /* DOSA_WIRE_H */

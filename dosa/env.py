@@ -5,6 +5,9 @@ torchrun set), and of the on/off switches (``DOSA_MULTICAST``, ``DOSA_GSO``, ``D
 variable               meaning
 =====================  =========================================================================
 RANK, WORLD_SIZE       this rank, the number of workers (torchrun's)
+LOCAL_RANK,            this rank's place on its node and the node's ranks (torchrun's); a node's
+LOCAL_WORLD_SIZE       ranks share its address, so local rank l binds DOSA_PORT + l (``own_port``)
+GROUP_RANK             the node's index (torchrun's; default RANK // LOCAL_WORLD_SIZE)
 DOSA_JOB_ID            the job to join
 DOSA_HOST_ADDR         this host's address (the one it sends from and gets results on)
 DOSA_IFACE             its interface (the Gloo baselines bind to it)
@@ -54,6 +57,23 @@ class RankEnv:
     job_config: str | None = None
     secret_file: str | None = None
     control_ca: str | None = None
+    local_rank: int = 0
+    local_world_size: int = 1
+    group_rank: int | None = None
+
+    @property
+    def own_port(self) -> int | None:
+        """The UDP port this rank binds: DOSA_PORT + LOCAL_RANK. The ranks of one node share its
+        address, and two sockets on one address and port would split the results between them."""
+        return None if self.port is None else self.port + self.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        """This rank's node: GROUP_RANK, else RANK // LOCAL_WORLD_SIZE (torchrun numbers a node's
+        ranks consecutively)."""
+        if self.group_rank is not None:
+            return self.group_rank
+        return (self.rank or 0) // max(1, self.local_world_size)
 
     @classmethod
     def parse(cls, env=None) -> "RankEnv":
@@ -68,7 +88,9 @@ class RankEnv:
                    control=(addr, cport) if addr and cport else None,
                    job_config=env.get("DOSA_JOB_CONFIG") or None,
                    secret_file=env.get("DOSA_SECRET_FILE") or None,
-                   control_ca=env.get("DOSA_CONTROL_CA") or None)
+                   control_ca=env.get("DOSA_CONTROL_CA") or None,
+                   local_rank=_int(env, "LOCAL_RANK", 0), local_world_size=_int(env, "LOCAL_WORLD_SIZE", 1),
+                   group_rank=_int(env, "GROUP_RANK"))
 
     def to_env(self) -> dict[str, str]:
         """The variables that :meth:`parse` reads back as this (unset fields left out)."""
@@ -79,6 +101,10 @@ class RankEnv:
                         ("DOSA_CONTROL_CA", self.control_ca)):
             if v is not None:
                 out[name] = str(v)
+        if self.local_rank or self.local_world_size != 1:
+            out["LOCAL_RANK"], out["LOCAL_WORLD_SIZE"] = str(self.local_rank), str(self.local_world_size)
+        if self.group_rank is not None:
+            out["GROUP_RANK"] = str(self.group_rank)
         if self.dpu_addrs is not None:
             out["DOSA_DPU_ADDRS"] = ",".join(self.dpu_addrs)
         if self.control is not None:

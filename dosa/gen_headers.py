@@ -1,5 +1,6 @@
 """Write (or, with ``--check``, compare) the C headers generated from their Python definitions:
-``dosa/dosa_wire.h`` from ``dosa/wire.py`` (constants, header struct, the header check).
+``dosa/dosa_wire.h`` from ``dosa/wire.py`` (constants, header struct, the header check, the packet
+accessors) and ``dosa/dosa_wire.pxd``, its declarations for the compiled modules.
 
 Run ``python -m dosa.gen_headers`` after changing wire.py; tests/unit/test_wire_c_header.py
 fails while the checked-in file differs from what this writes. The header carries the counter
@@ -13,7 +14,7 @@ from pathlib import Path
 from dosa import wire
 
 HERE = Path(__file__).resolve().parent
-GENERATED = {HERE / "dosa_wire.h": wire.c_header}
+GENERATED = {HERE / "dosa_wire.h": wire.c_header, HERE / "dosa_wire.pxd": wire.c_pxd}
 
 
 def main(argv: list[str] | None = None) -> int:

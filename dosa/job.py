@@ -6,13 +6,14 @@ results on, ``None`` while worker ``w`` has not joined (only the control plane's
 incomplete jobs; hosts and DPU workers use complete ones). Partition p is owned by DPU
 ``p % len(dpus)``.
 
-The same job travels as JSON in three forms, each read back by one classmethod:
-:meth:`JobConfig.view` (what the control plane answers, :meth:`from_view`), :meth:`to_dict` (a job
-file, :meth:`from_dict` / :meth:`load`), and the ``DOSA_*`` environment of a rank
-(:meth:`from_env`, through :mod:`dosa.env` and the join API).
+The same job travels as JSON in two forms, each read back by one classmethod:
+:meth:`JobConfig.view` (what the control plane answers, :meth:`from_view`) and :meth:`to_dict` (a
+job file, :meth:`from_dict` / :meth:`load`). A rank's ``DOSA_*`` environment names a job file or
+the control plane to join through (:func:`dosa.join.join_view`, the one join from the environment).
 """
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -21,12 +22,33 @@ import numpy as np
 from dosa import wire
 from dosa.errors import DosaError
 
-#: result modes: ``sum`` (exact sums, union of indices) or ``gtopk`` (per partition only the
-#: ``k = ceil(density * partition_length)`` largest |sum| come back; docs/dpu_worker.md). The index
-#: is the mode's code in the dataplane's jobs map.
-RESULT_MODES = ("sum", "gtopk")
-#: where a DPU merges: in the XDP program, or in the DPU worker's user space
-DPU_MODES = ("xdp", "userspace")
+class _Name(str, enum.Enum):
+    """A name that is its own string: ``ResultMode.GTOPK == "gtopk"``, in JSON, argparse choices
+    and f-strings alike; comparing with the member instead of the string is what keeps a typo from
+    being a silent False."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class ResultMode(_Name):
+    """What comes back to the hosts: ``sum`` (exact sums, union of indices) or ``gtopk`` (per
+    partition only the ``k = ceil(density * partition_length)`` largest |sum|; docs/dpu_worker.md).
+    The index in RESULT_MODES is the mode's code in the dataplane's jobs map."""
+
+    SUM = "sum"
+    GTOPK = "gtopk"
+
+
+class DpuMode(_Name):
+    """Where a DPU merges: in the XDP program, or in the DPU worker's user space."""
+
+    XDP = "xdp"
+    USERSPACE = "userspace"
+
+
+RESULT_MODES = tuple(m.value for m in ResultMode)
+DPU_MODES = tuple(m.value for m in DpuMode)
 #: the scale exponent of a job's first round (later rounds choose theirs from the previous result)
 DEFAULT_SCALE_EXP = 16
 DEFAULT_DENSITY = 0.01
@@ -49,7 +71,7 @@ class JobConfig:
     hosts: list = field(default_factory=list)
     dpus: list = field(default_factory=list)
     partition_size: int = wire.DEFAULT_PARTITION_SIZE
-    mode: str = "sum"
+    mode: str = ResultMode.SUM.value
     density: float = DEFAULT_DENSITY
     scale_exp: int = DEFAULT_SCALE_EXP
     port: int = wire.DEFAULT_PORT  # the job's UDP port on the DPUs (the default of dpus' ports)
@@ -148,7 +170,7 @@ class JobConfig:
             dpus = sorted(v["dpus"], key=lambda d: d["index"])
             return cls(job_id=v["job_id"], numel=v["numel"], hosts=hosts,
                        dpus=[(d["address"], d["port"]) for d in dpus],
-                       partition_size=v["partition_size"], mode=v.get("mode", "sum"),
+                       partition_size=v["partition_size"], mode=v.get("mode", ResultMode.SUM.value),
                        density=v.get("density", DEFAULT_DENSITY),
                        scale_exp=v.get("scale_exp", DEFAULT_SCALE_EXP), port=v.get("port", wire.DEFAULT_PORT),
                        slots=v.get("slots", DEFAULT_SLOTS), mtu=v.get("mtu", wire.DEFAULT_MTU))
@@ -180,21 +202,3 @@ class JobConfig:
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=1)
-
-    # ------------------------------------------------------------------------------ a rank's environment
-    @classmethod
-    def from_env(cls, numel: int | None = None, env=None, wait: float = 60.0, **shape) -> "JobConfig":
-        """The job a rank's ``DOSA_*`` environment names (``dosa testbed run`` and torchrun set it):
-        the file DOSA_JOB_CONFIG, else the job joined through the control plane at
-        DOSA_CONTROL_ADDR:DOSA_CONTROL_PORT (blocking until every worker joined; ``numel`` and
-        ``shape`` let the first joiner create it). See :class:`dosa.env.RankEnv`."""
-        from dosa import join
-        from dosa.env import RankEnv
-
-        e = RankEnv.parse(env)
-        if e.job_config:
-            return cls.load(e.job_config)
-        if e.control is None:
-            raise DosaError("no dosa job in the environment: set DOSA_CONTROL_ADDR/DOSA_CONTROL_PORT "
-                            "or DOSA_JOB_CONFIG")
-        return join.join(e.control, worker_id=e.rank, numel=numel, env=env, wait=wait, **shape)

@@ -1,8 +1,8 @@
 """The host's side of the control plane's join API (control/api; docs/control.md): a connection
 (:class:`Channel`: TLS when a CA is given, every call signed with the deployment's secret), one
-call (:func:`request`), the join (:func:`join_raw`: the answer as sent; :func:`join`: the
-JobConfig, unset arguments from the rank's DOSA_* environment). Stdlib HTTP only: every layer may
-call it."""
+call (:func:`request`), the join (:func:`join_raw`: one request, the answer as sent;
+:func:`join_view`: the join, its unset arguments from the rank's DOSA_* environment; :func:`join`:
+the same, as a JobConfig). Stdlib HTTP only: every layer may call it."""
 from __future__ import annotations
 
 import http.client
@@ -11,10 +11,11 @@ import logging
 import ssl
 import time
 
-from dosa import auth, wire
+from dosa import auth
 from dosa.env import RankEnv
 from dosa.errors import DosaError
 from dosa.job import JobConfig
+from dosa.net import local_address_towards
 
 
 _UNSET = object()
@@ -159,34 +160,39 @@ def join_raw(control, job_id: int, address: str, port: int | None = None, worker
             time.sleep(1.0)
 
 
-def join(control, worker_id: int | None = None, numel: int | None = None, *, job_id: int | None = None,
-         address: str | None = None, port: int | None = None, workers: int | None = None,
-         dpus: list | None = None, wait: float = 60.0, env=None, **job_kw) -> JobConfig:
-    """Join a job and return its JobConfig once every worker has joined.
-
-    Unset arguments come from the environment ``dosa testbed run`` (and torchrun) sets
-    (:class:`dosa.env.RankEnv`): job_id <- DOSA_JOB_ID, address <- DOSA_HOST_ADDR, port <- DOSA_PORT,
-    workers <- WORLD_SIZE, dpus <- DOSA_DPU_ADDRS. numel, workers and dpus let the first joiner
-    create the job."""
-    e = RankEnv.parse(env)
+def join_view(control, worker_id: int | None = None, numel: int | None = None, *,
+              job_id: int | None = None, address: str | None = None, port: int | None = None,
+              workers: int | None = None, dpus: list | None = None, wait: float = 60.0, env=None,
+              **job_kw) -> dict:
+    """Join a job and return its view (the API's JSON, with ``generation``) once every worker has
+    joined. The one place a rank's environment becomes a join: each argument left unset comes from
+    the ``DOSA_*`` variables ``dosa testbed run``, the deploy and torchrun set
+    (:class:`dosa.env.RankEnv`; ``env``: a RankEnv, a mapping, None for ``os.environ``, ``{}`` for
+    none): job_id <- DOSA_JOB_ID, address <- DOSA_HOST_ADDR (else the local address towards the
+    control plane), port <- DOSA_PORT + LOCAL_RANK (else the job's), workers <- WORLD_SIZE, dpus <-
+    DOSA_DPU_ADDRS. numel, workers, dpus and ``job_kw`` (mode, density, partition_size, scale_exp,
+    slots, mtu, session...) let the first joiner create the job."""
+    e = env if isinstance(env, RankEnv) else RankEnv.parse(env)
+    job_id = e.job_id if job_id is None else job_id
     if job_id is None:
-        if e.job_id is None:
-            raise DosaError("no job id: pass job_id or set DOSA_JOB_ID")
-        job_id = e.job_id
-    address = address or e.host_addr
+        raise DosaError("no job id: pass job_id or set DOSA_JOB_ID")
+    port = e.own_port if port is None else port  # DOSA_PORT + LOCAL_RANK: a node's ranks share its address
     if not address:
-        raise DosaError("no host address: pass address or set DOSA_HOST_ADDR")
-    if port is None:
-        port = e.port or wire.DEFAULT_PORT
+        address = e.host_addr or local_address_towards(_hostport(control).rpartition(":")[0])
     if workers is None:
         workers = e.world_size
     if dpus is None and e.dpu_addrs:
-        dpus = [{"address": a, "port": e.port or wire.DEFAULT_PORT} for a in e.dpu_addrs]
+        dpus = [{"address": a, "port": e.port} if e.port else a for a in e.dpu_addrs]
     shape = dict(job_kw)
     if numel is not None:
         shape["numel"] = int(numel)
     if workers is not None:
         shape["workers"] = int(workers)
-    if dpus is not None:
-        shape["dpus"] = dpus
-    return JobConfig.from_view(join_raw(control, job_id, address, port, worker_id, wait, **shape))
+    if dpus:
+        shape["dpus"] = list(dpus)
+    return join_raw(control, job_id, address, port, worker_id, wait, **shape)
+
+
+def join(control, worker_id: int | None = None, numel: int | None = None, **kw) -> JobConfig:
+    """:func:`join_view` (the same arguments), as a JobConfig."""
+    return JobConfig.from_view(join_view(control, worker_id, numel, **kw))

@@ -11,6 +11,10 @@ import numpy as np
 
 from dosa.env import switch_on
 
+#: TCP port of the control plane's join API on every DPU (``dosa ctl serve --listen``'s default,
+#: the testbed's and the deploy's): written here only
+DEFAULT_CONTROL_PORT = 17800
+
 #: First address of the per-job result groups (administratively scoped, RFC 2365): job j's group
 #: is 239.77.(j >> 8 & 255).(j & 255). Not part of the wire protocol: both ends derive it from the
 #: job, like the partition map. ``DOSA_MULTICAST=0`` (set on hosts AND DPU workers) turns it off.
@@ -48,7 +52,7 @@ def parse_hostport(s: str, what: str = "address") -> tuple[str, int]:
     ValueError in one sentence for anything else (argparse reports it against the option)."""
     host, sep, port = str(s).rpartition(":")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{what} must be ADDR:PORT with a port in 1..65535 (e.g. 10.0.1.1:17800), "
+        raise ValueError(f"{what} must be ADDR:PORT with a port in 1..65535 (e.g. 10.0.1.1:{DEFAULT_CONTROL_PORT}), "
                          f"got {s!r}")
     return host, int(port)
 
@@ -77,3 +81,11 @@ def path_mtu(addr: str, port: int = 9) -> int | None:
             return int(s.getsockopt(socket.IPPROTO_IP, _IP_MTU))
     except (OSError, ValueError):
         return None
+
+
+def local_address_towards(addr: str) -> str:
+    """The local IPv4 address the kernel would use to reach ``addr`` (no packet is sent): the
+    address a host joins a job from when it names none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((addr, 9))
+        return s.getsockname()[0]

@@ -34,7 +34,7 @@ from dosa.wire import (
     Flags, PacketBatch, PacketType, PartitionMap, ProtocolError,
 )
 
-from . import _net
+from . import _entries
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -115,7 +115,7 @@ def _build_sparse(ptype: int, indices: np.ndarray, values: np.ndarray, starts: n
     in exactly one of them); ``part_lo`` is each listed partition's first index. Each partition is
     sent in the encoding of fewer bytes (``encoding="auto"``, wire.encoded_bytes) or sparse only
     (``"sparse"``). Headers are written through ``HEADER_DTYPE`` per packet (vectorized), entries by
-    one compiled pass (``_net.write_entries``) with the offsets of dosa.wire."""
+    one compiled pass (``_entries.write_entries``) through the accessors generated from dosa.wire."""
     _check_header_args(job_id=job_id, worker_id=worker_id, round=round, scale_exp=scale_exp, flags=flags)
     if encoding not in ("auto", "sparse"):
         raise ValueError(f"encoding must be 'auto' or 'sparse', got {encoding!r}")
@@ -176,10 +176,8 @@ def _build_sparse(ptype: int, indices: np.ndarray, values: np.ndarray, starts: n
         # dense, the first entry at or after the packet's base
         first_entry = np.where(dpk, np.searchsorted(indices, base.astype(np.uint32)) if dpk.any() else 0,
                                starts[pj] + seq * per_s)
-        value_at = np.where(dpk, HDR_LEN, wire.value_offset(cnt)).astype(np.int64)
-        if _net.write_entries(batch.data, first_entry.astype(np.int64), cnt.astype(np.int64),
-                              base.astype(np.int64), dpk.astype(np.uint8), value_at,
-                              np.ascontiguousarray(indices), np.ascontiguousarray(values, np.int32)) != 0:
+        if _entries.write_entries(batch.data, first_entry.astype(np.int64), np.ascontiguousarray(indices),
+                              np.ascontiguousarray(values, np.int32)) != 0:
             raise ValueError("packetizer: an entry does not fit its packet (a bug: sizes are computed above)")
     return batch
 
@@ -383,14 +381,6 @@ class ParsedPackets:
         return len(self.headers)
 
 
-_SPARSE = np.zeros(256, bool)
-_DENSE = np.zeros(256, bool)
-for _t in (PacketType.SPARSE_DATA, PacketType.SPARSE_RESULT):
-    _SPARSE[_t] = True
-for _t in (PacketType.DENSE_DATA, PacketType.DENSE_RESULT):
-    _DENSE[_t] = True
-
-
 def _raise_for(batch: PacketBatch, i: int) -> None:
     """Raise the ProtocolError dosa.wire gives for packet i, prefixed with its position."""
     try:
@@ -434,20 +424,11 @@ def parse_batch(batch: PacketBatch, *, on_error: str = "raise") -> ParsedPackets
     indices = np.empty(m, np.uint32)
     values = np.empty(m, np.int32)
     if m:
-        # one Cython pass (dosa._net.decode_entries) with the layout from dosa.wire: sparse
-        # types' u16 offsets after the header and values at wire.value_offset; every other type one
-        # block of 4-byte words after the header, decoded as a dense run from 0 and, for
-        # RETX_REQUEST / STATUS, moved into ``indices`` (their entries are u32 seqs / worker ids)
-        sp = _SPARSE[t]
-        offset_at = np.where(sp, HDR_LEN, -1).astype(np.int64)
-        value_at = np.where(sp, wire.value_offset(count), HDR_LEN).astype(np.int64)
-        base = np.where(sp | _DENSE[t], hdr["base"].astype(np.int64), 0)
-        if _net.decode_entries(batch.data, kept, count, base, offset_at, value_at, indices, values) != m:
+        # one Cython pass (dosa._entries.decode_entries): each packet's layout from its own header,
+        # read through the accessors generated from dosa.wire; RETX_REQUEST / STATUS entries (u32
+        # seqs / worker ids) land in ``indices`` with value 0
+        if _entries.decode_entries(batch.data, kept, indices, values) != m:
             raise ProtocolError("validated packets with more entries than their slots (a bug)")
-        ctl = np.repeat(~(sp | _DENSE[t]), count)
-        if ctl.any():
-            indices[ctl] = values[ctl].view(np.uint32)
-            values[ctl] = 0
     return ParsedPackets(headers=hdr, offsets=offsets, indices=indices, values=values, kept=kept,
                          dropped=dropped)
 

@@ -8,8 +8,9 @@ tables, at the moment it is written, so it cannot drift from the protocol:
   (``PacketType``) and flag bits (``Flags``);
 - the payload layout per type (``PAYLOAD_BLOCKS``: blocks of ``count`` elements, each block
   zero-padded to 4 bytes; sparse offsets are relative to ``base``);
-- the header rules (``HEADER_RULES``): each rule's expression is translated to Lua from the same
-  small expression language the C header check is generated from, and its message template
+- the header rules (``HEADER_RULES``): each rule's expression is translated to Lua
+  (:mod:`dosa.wireshark_rules`) from the same small expression language the C header check is
+  generated from, and its message template
   becomes the text of the expert info, so a packet the dataplane would drop shows the counter it
   would move (``dosa.drop_reason``) and the same sentence ``wire.validate_header`` raises.
 
@@ -22,31 +23,18 @@ packets of every type and every broken rule; tests/e2e/test_wireshark_capture.py
 """
 from __future__ import annotations
 
-import ast
 import os
-import string
 from pathlib import Path
 
 import numpy as np
 
 from dosa import wire
+from dosa.wireshark_rules import HEADER_NAMES, lua_expr, lua_message, lua_str, names_in
 
 #: The drop counter for an index outside its partition (dataplane/reasons.py; a test checks the name).
 INDEX_REASON = "index_out_of_partition"
 #: Header fields shown in hex (presentation only, as in the scapy layer).
 HEX_FIELDS = {"magic", "flags"}
-#: Names a rule message may use besides fields, ``length`` and constants: how the dissector
-#: computes them (the same quantities ``wire.rule_error`` puts in its context).
-DERIVED = {
-    "type_name": "(TYPE_NAMES[v.type] or tostring(v.type))",
-    "max_entries": "tab_MAX_ENTRIES(v.type)",
-    "want": "payload_len(v.type, v.count)",
-    "bad_flags": "band(v.flags, bnot(F_VALID_MASK))",
-    "max_worker": str(wire.MAX_WORKERS - 1),
-    "max_partition": str(wire.MAX_PARTITIONS - 1),
-}
-
-
 def default_path() -> Path:
     """Where ``dosa capture dissector`` writes the dissector ($XDG_CACHE_HOME/dosa or ~/.cache/dosa)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -97,90 +85,6 @@ def _check_layout(blocks) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Rule expressions -> Lua
-# ------------------------------------------------------------------------------------------------
-_FIELDS = [n for n, _, _ in wire.HEADER_FIELDS]
-
-
-def _lua_expr(expr: str) -> str:
-    """A rule expression (True where broken) as a Lua boolean expression over ``v.<field>``."""
-    node = ast.parse(expr, mode="eval").body
-
-    def as_int(code_kind):
-        code, kind = code_kind
-        return f"b2i({code})" if kind == "bool" else code
-
-    def go(n):
-        if isinstance(n, ast.Name):
-            if n.id in _FIELDS or n.id == "length":
-                return f"v.{n.id}", "int"
-            if n.id in wire.RULE_CONSTANTS:
-                return n.id, "int"
-            raise ValueError(f"rule {expr!r} names {n.id!r}: neither a field, length nor a constant")
-        if isinstance(n, ast.Constant) and isinstance(n.value, int):
-            return str(n.value), "int"
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in wire.TYPE_TABLES \
-                and len(n.args) == 1:
-            return f"tab_{n.func.id}({as_int(go(n.args[0]))})", "int"
-        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Invert):
-            return f"bnot({as_int(go(n.operand))})", "int"
-        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
-            return f"(-{as_int(go(n.operand))})", "int"
-        if isinstance(n, ast.BinOp):
-            a, c = as_int(go(n.left)), as_int(go(n.right))
-            ops = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*"}
-            if type(n.op) in ops:
-                return f"({a} {ops[type(n.op)]} {c})", "int"
-            fn = {ast.BitAnd: "band", ast.BitOr: "bor"}.get(type(n.op))
-            if fn:
-                return f"{fn}({a}, {c})", "int"
-        if isinstance(n, ast.Compare) and len(n.ops) == 1:
-            ops = {ast.Eq: "==", ast.NotEq: "~=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}
-            if type(n.ops[0]) in ops:
-                return (f"({as_int(go(n.left))} {ops[type(n.ops[0])]} "
-                        f"{as_int(go(n.comparators[0]))})"), "bool"
-        raise ValueError(f"rule {expr!r}: the dissector generator cannot translate {ast.dump(n)}")
-
-    code, kind = go(node)
-    return code if kind == "bool" else f"({code} ~= 0)"
-
-
-def _names_in(expr: str) -> set[str]:
-    return {n.id for n in ast.walk(ast.parse(expr, mode="eval")) if isinstance(n, ast.Name)}
-
-
-def _lua_str(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
-
-def _lua_message(template: str) -> str:
-    """A rule's message template (str.format) as a Lua string.format call over ``v``."""
-    fmt, args = [], []
-    for text, name, spec, conv in string.Formatter().parse(template):
-        fmt.append(text.replace("%", "%%"))
-        if name is None:
-            continue
-        if conv:
-            raise ValueError(f"message {template!r}: conversion !{conv} not supported")
-        if name in _FIELDS or name == "length":
-            args.append(f"v.{name}")
-        elif name in wire.RULE_CONSTANTS:
-            args.append(name)
-        elif name in DERIVED:
-            args.append(DERIVED[name])
-        else:
-            raise ValueError(f"message {template!r} names {name!r}, which dosa/wireshark.py does not "
-                             "know how to compute (add it to DERIVED, as wire.rule_error computes it)")
-        if spec == "":
-            fmt.append("%s" if name == "type_name" else "%d")
-        elif spec.rstrip("xXd").lstrip("0").isdigit() or spec in ("x", "X", "d"):
-            fmt.append("%" + spec)
-        else:
-            raise ValueError(f"message {template!r}: format spec {spec!r} not supported")
-    return f"string.format({_lua_str(''.join(fmt))}{''.join(', ' + a for a in args)})"
-
-
-# ------------------------------------------------------------------------------------------------
 # The Lua text
 # ------------------------------------------------------------------------------------------------
 _PF = {("u", 1): "uint8", ("u", 2): "uint16", ("u", 4): "uint32",
@@ -191,13 +95,26 @@ def _protofield(abbr: str, label: str, dt: np.dtype, base: str = "base.DEC", ext
     kind = _PF.get((dt.kind, dt.itemsize))
     if kind is None:
         raise ValueError(f"field {abbr}: dtype {dt} has no Wireshark field type here")
-    return f'ProtoField.{kind}("{abbr}", {_lua_str(label)}, {base}{extra})'
+    return f'ProtoField.{kind}("{abbr}", {lua_str(label)}, {base}{extra})'
 
 
 def lua() -> str:
-    """The dissector's Lua source for the protocol in ``dosa.wire`` as imported now."""
+    """The dissector's Lua source for the protocol in ``dosa.wire`` as imported now: its sections
+    in order (each below renders one from the wire's tables)."""
     blocks = payload_blocks()
     _check_layout(blocks)
+    flags = [f for f in wire.Flags if int(f)]
+    fields, entry_fields = _lua_fields(blocks, flags)
+    if "offset" not in entry_fields and "index" not in entry_fields:
+        raise ValueError("no sparse index layout found in wire.PAYLOAD_BLOCKS")
+    out = (_lua_prelude() + fields + _lua_experts() + _lua_prefs() + _lua_layout(blocks)
+           + _lua_rules() + _lua_read_header(flags) + _LUA_ENTRIES + _lua_summary(flags)
+           + _LUA_REGISTER)
+    return "\n".join(out) + "\n"
+
+
+def _lua_prelude() -> list[str]:
+    """Bit operations for any Lua, the protocol object, the constants and the per-type tables."""
     sparse = {int(t) for t, v in wire.TYPE_TABLES["SPARSE"].items() if v}
     out: list[str] = [
         f"-- dosa wire protocol v{wire.VERSION}: Wireshark dissector GENERATED from dosa/wire.py by",
@@ -215,23 +132,26 @@ def lua() -> str:
         f"local DEFAULT_PORT = {wire.DEFAULT_PORT}",
     ]
     out += [f"local {k} = {int(v)}" for k, v in wire.RULE_CONSTANTS.items() if k != "HDR_LEN"]
-    out.append("local TYPE_NAMES = {" + ", ".join(f"[{int(t)}] = {_lua_str(t.name)}"
+    out.append("local TYPE_NAMES = {" + ", ".join(f"[{int(t)}] = {lua_str(t.name)}"
                                                   for t in wire.PacketType) + "}")
     for name, tab in wire.TYPE_TABLES.items():
         items = ", ".join(f"[{int(t)}] = {int(v)}" for t, v in tab.items() if v)
         out.append(f"local T_{name} = {{{items}}}")
         out.append(f"local function tab_{name}(t) return T_{name}[t] or 0 end")
     out.append("local SPARSE_TYPES = {" + ", ".join(f"[{t}] = true" for t in sorted(sparse)) + "}")
+    return out
 
-    # ---- fields
-    out += ["", "local F = {}"]
+
+def _lua_fields(blocks, flags) -> tuple[list[str], dict[str, np.dtype]]:
+    """The ProtoFields: the header's, the flag bits', every payload element's and the derived
+    ones; returns them and the payload elements' dtypes."""
+    out = ["", "local F = {}"]
     for n, dt, _ in wire.HEADER_FIELDS:
         dt = np.dtype(dt)
         base = "base.HEX" if n in HEX_FIELDS else "base.DEC"
         extra = ", TYPE_NAMES" if n == "type" else ""
         out.append(f"F.{n} = {_protofield('dosa.' + n, n, dt, base, extra)}")
     flag_width = 8 * np.dtype(dict((n, t) for n, t, _ in wire.HEADER_FIELDS)["flags"]).itemsize
-    flags = [f for f in wire.Flags if int(f)]
     for f in flags:
         out.append(f'F.flag_{f.name.lower()} = ProtoField.bool("dosa.flags.{f.name.lower()}", '
                    f'"{f.name}", {flag_width}, nil, 0x{int(f):04X})')
@@ -243,7 +163,6 @@ def lua() -> str:
                     raise ValueError(f"payload field {en!r} has two dtypes ({entry_fields[en]}, {edt})")
     for en, edt in entry_fields.items():
         out.append(f"F.e_{en} = {_protofield('dosa.entry.' + en, en, edt)}")
-    has_offset = "offset" in entry_fields
     out += [
         'F.e_index = ProtoField.uint32("dosa.entry.index", "index", base.DEC, nil, nil, '
         '"base + offset (sparse) or base + position (dense)")',
@@ -254,26 +173,35 @@ def lua() -> str:
         "dosa.fields = {}",
         "for _, f in pairs(F) do table.insert(dosa.fields, f) end",
     ]
+    return out, entry_fields
 
-    # ---- expert infos, one per reason
+
+def _lua_experts() -> list[str]:
+    """One expert info per drop reason a packet can show."""
     reasons = list(dict.fromkeys([r.reason for r in wire.HEADER_RULES] + [INDEX_REASON]))
-    out += ["", "local E = {}"]
+    out = ["", "local E = {}"]
     for r in reasons:
         out.append(f'E.{r} = ProtoExpert.new("dosa.drop.{r}", "dataplane drops it: {r}", '
                    "expert.group.MALFORMED, expert.severity.ERROR)")
     out += ["dosa.experts = {}", "for _, e in pairs(E) do table.insert(dosa.experts, e) end"]
+    return out
 
-    # ---- preferences
-    out += [
+
+def _lua_prefs() -> list[str]:
+    """The dissector's preferences: its UDP port and the partition size of the index check."""
+    return [
         "",
         'dosa.prefs.port = Pref.uint("UDP port", DEFAULT_PORT, "UDP port of the dosa protocol")',
         f'dosa.prefs.partition_size = Pref.uint("Partition size", {wire.DEFAULT_PARTITION_SIZE}, '
         '"indices per partition of the job (for the index-outside-partition check; 0 = off)")',
     ]
 
-    # ---- layout
-    out += ["", "-- payload blocks per type: {field, element size, {{name, offset, size, signed}...}}",
-            "local LAYOUT = {"]
+
+def _lua_layout(blocks) -> list[str]:
+    """LAYOUT: each type's payload blocks and their elements (wire.PAYLOAD_BLOCKS), and the payload
+    length they make."""
+    out = ["", "-- payload blocks per type: {field, element size, {{name, offset, size, signed}...}}",
+           "local LAYOUT = {"]
     for t, bl in blocks.items():
         items = []
         for bname, dt in bl:
@@ -292,19 +220,25 @@ def lua() -> str:
         "  return n",
         "end",
     ]
+    return out
 
-    # ---- rules
-    out += ["", "-- wire.HEADER_RULES, in order: {reason, needs the header, broken(v), message(v)}",
-            "local RULES = {"]
+
+def _lua_rules() -> list[str]:
+    """RULES: wire.HEADER_RULES in Lua, each with its message template."""
+    out = ["", "-- wire.HEADER_RULES, in order: {reason, needs the header, broken(v), message(v)}",
+           "local RULES = {"]
     for r in wire.HEADER_RULES:
-        needs_header = bool(_names_in(r.expr) & set(_FIELDS))
-        out.append(f"  {{{_lua_str(r.reason)}, {str(needs_header).lower()}, "
-                   f"function(v) return {_lua_expr(r.expr)} end, "
-                   f"function(v) return {_lua_message(r.message)} end}},")
+        needs_header = bool(names_in(r.expr) & set(HEADER_NAMES))
+        out.append(f"  {{{lua_str(r.reason)}, {str(needs_header).lower()}, "
+                   f"function(v) return {lua_expr(r.expr)} end, "
+                   f"function(v) return {lua_message(r.message)} end}},")
     out.append("}")
+    return out
 
-    # ---- the dissector
-    out += [
+
+def _lua_read_header(flags) -> list[str]:
+    """The dissector's start: every header field read and shown at its offset (HEADER_FIELDS)."""
+    out = [
         "",
         "local function read(tvb, off, size, signed)",
         "  local r = tvb(off, size)",
@@ -332,59 +266,70 @@ def lua() -> str:
             out.append(f"    root:add(F.{n}, tvb({off}, {dt.itemsize}))")
         off += dt.itemsize
     assert off == wire.HDR_LEN
-    out += [
-        "  end",
-        "  -- the first broken rule names the verdict (as the dataplane counts it)",
-        '  local verdict, msg = "ok", nil',
-        "  for _, r in ipairs(RULES) do",
-        "    if (have or not r[2]) and r[3](v) then verdict, msg = r[1], r[4](v) break end",
-        "  end",
-        "  if not have and verdict == \"ok\" then verdict, msg = RULES[1][1], RULES[1][4](v) end",
-        "  local blocks = have and LAYOUT[v.type] or nil",
-        "  local ps = dosa.prefs.partition_size",
-        "  local lo, hi = nil, nil",
-        "  if have and ps > 0 then lo = v.partition * ps; hi = lo + ps end",
-        "  local bad_index = nil",
-        "  if blocks then",
-        "    local off = HDR_LEN",
-        "    for _, b in ipairs(blocks) do",
-        "      local size = v.count * b[2]",
-        "      local avail = math.max(0, math.min(size, tvb:len() - off))",
-        "      local label = b[1] .. \": \" .. v.count .. \" x \" .. b[2] .. \" bytes\"",
-        "      local bt = root",
-        "      if avail > 0 then bt = root:add(tvb(off, avail), label) end",
-        "      for i = 0, v.count - 1 do",
-        "        local eo = off + i * b[2]",
-        "        if eo + b[2] > tvb:len() then break end",
-        "        for _, e in ipairs(b[3]) do",
-        "          local item = bt:add(F[\"e_\" .. e[1]], tvb(eo + e[2], e[3]))",
-        "          local idx = nil",
-        "          if e[1] == \"offset\" and SPARSE_TYPES[v.type] then idx = v.base + read(tvb, eo + e[2], e[3], false)",
-        "          elseif e[1] == \"index\" then idx = read(tvb, eo + e[2], e[3], false)",
-        "          elseif e[1] == \"value\" and not SPARSE_TYPES[v.type] then idx = v.base + i end",
-        "          if idx and e[1] ~= \"index\" then item:add(F.e_index, tvb(eo + e[2], e[3]), idx):set_generated() end",
-        "          if idx and lo and (idx < lo or idx >= hi) and not bad_index then bad_index = idx end",
-        "        end",
-        "      end",
-        "      off = off + size",
-        "      local pad = pad4(size) - size",
-        "      if pad > 0 and off + pad <= tvb:len() then root:add(F.padding, tvb(off, pad)) end",
-        "      off = off + pad",
-        "    end",
-        "    if off < tvb:len() then root:add(F.trailing, tvb(off)) end",
-        "  end",
-        "  if verdict == \"ok\" and bad_index then",
-        f'    verdict = "{INDEX_REASON}"',
-        '    msg = string.format("index %d outside partition %d (%d..%d with partition size %d)", '
-        "bad_index, v.partition, lo, hi - 1, ps)",
-        "  end",
-        "  local vi = root:add(F.drop_reason, verdict)",
-        "  vi:set_generated()",
-        "  if msg then root:add_proto_expert_info(E[verdict], msg) end",
-        "  -- the one-line summary (as the scapy layer's)",
-        "  if have then",
-        '    local fl = {}',
-    ]
+    return out
+
+
+#: The dissector's middle, the same for every protocol version: the verdict (the first broken rule,
+#: as the dataplane counts it), every payload element shown with its absolute index, padding and
+#: trailing bytes, the index-outside-partition check.
+_LUA_ENTRIES = [
+    "  end",
+    "  -- the first broken rule names the verdict (as the dataplane counts it)",
+    '  local verdict, msg = "ok", nil',
+    "  for _, r in ipairs(RULES) do",
+    "    if (have or not r[2]) and r[3](v) then verdict, msg = r[1], r[4](v) break end",
+    "  end",
+    "  if not have and verdict == \"ok\" then verdict, msg = RULES[1][1], RULES[1][4](v) end",
+    "  local blocks = have and LAYOUT[v.type] or nil",
+    "  local ps = dosa.prefs.partition_size",
+    "  local lo, hi = nil, nil",
+    "  if have and ps > 0 then lo = v.partition * ps; hi = lo + ps end",
+    "  local bad_index = nil",
+    "  if blocks then",
+    "    local off = HDR_LEN",
+    "    for _, b in ipairs(blocks) do",
+    "      local size = v.count * b[2]",
+    "      local avail = math.max(0, math.min(size, tvb:len() - off))",
+    "      local label = b[1] .. \": \" .. v.count .. \" x \" .. b[2] .. \" bytes\"",
+    "      local bt = root",
+    "      if avail > 0 then bt = root:add(tvb(off, avail), label) end",
+    "      for i = 0, v.count - 1 do",
+    "        local eo = off + i * b[2]",
+    "        if eo + b[2] > tvb:len() then break end",
+    "        for _, e in ipairs(b[3]) do",
+    "          local item = bt:add(F[\"e_\" .. e[1]], tvb(eo + e[2], e[3]))",
+    "          local idx = nil",
+    "          if e[1] == \"offset\" and SPARSE_TYPES[v.type] then idx = v.base + read(tvb, eo + e[2], e[3], false)",
+    "          elseif e[1] == \"index\" then idx = read(tvb, eo + e[2], e[3], false)",
+    "          elseif e[1] == \"value\" and not SPARSE_TYPES[v.type] then idx = v.base + i end",
+    "          if idx and e[1] ~= \"index\" then item:add(F.e_index, tvb(eo + e[2], e[3]), idx):set_generated() end",
+    "          if idx and lo and (idx < lo or idx >= hi) and not bad_index then bad_index = idx end",
+    "        end",
+    "      end",
+    "      off = off + size",
+    "      local pad = pad4(size) - size",
+    "      if pad > 0 and off + pad <= tvb:len() then root:add(F.padding, tvb(off, pad)) end",
+    "      off = off + pad",
+    "    end",
+    "    if off < tvb:len() then root:add(F.trailing, tvb(off)) end",
+    "  end",
+    "  if verdict == \"ok\" and bad_index then",
+    f'    verdict = "{INDEX_REASON}"',
+    '    msg = string.format("index %d outside partition %d (%d..%d with partition size %d)", '
+    "bad_index, v.partition, lo, hi - 1, ps)",
+    "  end",
+    "  local vi = root:add(F.drop_reason, verdict)",
+    "  vi:set_generated()",
+    "  if msg then root:add_proto_expert_info(E[verdict], msg) end",
+    "  -- the one-line summary (as the scapy layer's)",
+    "  if have then",
+    '    local fl = {}',
+]
+
+
+def _lua_summary(flags) -> list[str]:
+    """The dissector's end: the one-line summary (as the scapy layer's), with the flags set."""
+    out = []
     for f in flags:
         out.append(f'    if band(v.flags, 0x{int(f):04X}) ~= 0 then table.insert(fl, "{f.name}") end')
     out += [
@@ -401,24 +346,27 @@ def lua() -> str:
         "  return length",
         "end",
         "",
-        "local registered = nil",
-        "local function register()",
-        '  local udp = DissectorTable.get("udp.port")',
-        "  if registered then udp:remove(registered, dosa) end",
-        "  registered = dosa.prefs.port",
-        "  udp:add(registered, dosa)",
-        "end",
-        "dosa.prefs_changed = register",
-        "register()",
     ]
-    if not has_offset and "index" not in entry_fields:
-        raise ValueError("no sparse index layout found in wire.PAYLOAD_BLOCKS")
-    return "\n".join(out) + "\n"
+    return out
+
+
+#: Registration on the UDP port of the preference (again when it changes).
+_LUA_REGISTER = [
+    "local registered = nil",
+    "local function register()",
+    '  local udp = DissectorTable.get("udp.port")',
+    "  if registered then udp:remove(registered, dosa) end",
+    "  registered = dosa.prefs.port",
+    "  udp:add(registered, dosa)",
+    "end",
+    "dosa.prefs_changed = register",
+    "register()",
+]
 
 
 def header_field_names() -> list[str]:
     """The dissector's field names of the header, in wire order (``dosa.<field>``)."""
-    return [f"dosa.{n}" for n in _FIELDS]
+    return [f"dosa.{n}" for n in HEADER_NAMES]
 
 
 def entry_field_names() -> list[str]:

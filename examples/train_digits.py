@@ -1,4 +1,4 @@
-"""Train a small MLP on scikit-learn's digits with DDP over Gloo, gradients reduced either by dosa
+"""Train a small MLP (or CNN, ``--model cnn``) on scikit-learn's digits with DDP over Gloo, gradients reduced either by dosa
 (``--comm dosa``: the DDP hook of ``host_lib.torch_hook``) or by Gloo's dense allreduce
 (``--comm dense``). The dataset ships with scikit-learn: nothing is downloaded.
 
@@ -10,7 +10,11 @@ uses to join the job. Without them it runs as a single process (world size 1).
     dosa testbed run -- python -m examples.train_digits --comm dosa --density 0.01 --json out-{rank}.json
 
 Each rank records its loss per step and the test accuracy (the replicas are identical, which the
-script checks at the end). With ``--json PATH`` every rank writes ``{"runs": [summary, ...]}`` (``{rank}`` in PATH is replaced by the rank; without it only rank 0 writes).
+script checks at the end). On nodes of several ranks (``dosa testbed run --ranks-per-node L``,
+torchrun's LOCAL_WORLD_SIZE) the hook reduces inside the node first (host_lib.hook_node);
+``--ranks-per-node 1`` keeps every rank a dosa worker of its own. Every rank also reads its
+network interface's counters (``/proc/net/dev``, rx + tx, every header) over the training steps:
+on a testbed node that is the node's link, shared by its ranks. With ``--json PATH`` every rank writes ``{"runs": [summary, ...]}`` (``{rank}`` in PATH is replaced by the rank; without it only rank 0 writes).
 Bytes on the wire per step, per host: dosa reports the client's counted UDP payload bytes sent and
 received; dense reports the ring-allreduce volume ``2 * (W-1)/W * model bytes`` sent (and as much
 received) per host, Gloo's own algorithm does not expose a counter.
@@ -33,6 +37,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dosa.job import RESULT_MODES
+
 log = logging.getLogger("dosa.train_digits")
 
 
@@ -48,6 +54,41 @@ class DigitsMLP(nn.Module):
 
     def forward(self, x):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class DigitsCNN(nn.Module):
+    """conv 1->16 -> conv 16->32 -> pool -> fc 512 -> 128 -> 10 on the 8x8 images: 71,754
+    parameters, most in the first fully connected layer."""
+
+    def __init__(self, hidden: int = 128):
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.c2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1 = nn.Linear(32 * 4 * 4, hidden)
+        self.fc2 = nn.Linear(hidden, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.c2(F.relu(self.c1(x.view(-1, 1, 8, 8))))), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def make_model(kind: str, hidden: int) -> nn.Module:
+    return DigitsCNN(hidden) if kind == "cnn" else DigitsMLP(hidden)
+
+
+def link_bytes(iface: str | None = None) -> int:
+    """rx + tx bytes of this namespace's interface (DOSA_IFACE, else eth0) so far; 0 without one."""
+    iface = iface or os.environ.get("DOSA_IFACE") or "eth0"
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == iface:
+                    v = rest.split()
+                    return int(v[0]) + int(v[8])
+    except OSError:
+        pass
+    return 0
 
 
 def load_digits_split(seed: int = 0, test_fraction: float = 0.2):
@@ -86,11 +127,17 @@ def parse_args(argv=None):
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--hook-momentum", action="store_true",
                    help="dosa: apply --momentum in the hook (DGC momentum correction), not in SGD")
+    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
+                   help="mlp: 64-128-128-10 (26k parameters); cnn: two convolutions and two fully "
+                        "connected layers (72k)")
     p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="dosa: ranks that reduce inside their node first (default: torchrun's "
+                        "LOCAL_WORLD_SIZE across several nodes; 1: every rank a dosa worker)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--partition-size", type=int, default=None,
                    help="dosa job partition size (control plane jobs; smaller spreads over more DPUs)")
-    p.add_argument("--mode", choices=["sum", "gtopk"], default=None,
+    p.add_argument("--mode", choices=RESULT_MODES, default=None,
                    help="dosa job result mode (control plane jobs): exact sums, or per partition only "
                         "the k largest sums (what did not come back returns to the residual)")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
@@ -140,14 +187,14 @@ def train_one(comm: str, args, rank: int, world: int, data, progress: bool) -> d
     """One training run (fresh model, same seed) with ``comm`` reducing the gradients."""
     xtr, ytr, xte, yte = data
     torch.manual_seed(args.seed)
-    model = DDP(DigitsMLP(args.hidden), bucket_cap_mb=args.bucket_cap_mb)
+    model = DDP(make_model(args.model, args.hidden), bucket_cap_mb=args.bucket_cap_mb)
     nparams = sum(p.numel() for p in model.parameters())
     state = None
     if comm == "dosa":
         from host_lib.torch_hook import DosaHookState, dosa_hook
         state = DosaHookState(density=args.density, dense_warmup_steps=args.warmup_steps,
                               momentum=args.momentum if args.hook_momentum else 0.0,
-                              job_options=_job_options(args))
+                              job_options=_job_options(args), ranks_per_node=args.ranks_per_node)
         model.register_comm_hook(state, dosa_hook)
     hook_has_momentum = state is not None and state.momentum > 0
     opt = torch.optim.SGD(model.parameters(), lr=args.lr,
@@ -160,9 +207,11 @@ def train_one(comm: str, args, rank: int, world: int, data, progress: bool) -> d
     losses: list[float] = []
     step_times: list[float] = []
     acc_per_epoch: list[float] = []
+    link = 0
     try:
         for epoch in range(args.epochs):
             model.train()
+            link0 = link_bytes()
             for idx in shard_batches(len(xtr), rank, world, args.batch_size, epoch, args.seed):
                 t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
@@ -172,6 +221,7 @@ def train_one(comm: str, args, rank: int, world: int, data, progress: bool) -> d
                 sched.step()
                 step_times.append(time.perf_counter() - t0)
                 losses.append(float(loss.item()))
+            link += link_bytes() - link0
             acc = evaluate(model.module, xte, yte)
             acc_per_epoch.append(acc)
             if progress:
@@ -215,7 +265,12 @@ def train_one(comm: str, args, rank: int, world: int, data, progress: bool) -> d
         "time_per_step_median_s": float(np.median(step_times)) if step_times else 0.0,
         "bytes_sent_per_step": sent_per_step, "bytes_received_per_step": recv_per_step,
         "bytes_per_step": sent_per_step + recv_per_step, "bytes_method": bytes_method,
-        "replicas_consistent": consistent, "hook": hs,
+        "replicas_consistent": consistent, "hook": hs, "model": args.model,
+        "ranks_per_node": (state.node.layout.per_node if state is not None and state.node is not None
+                           else 1),
+        "link_bytes_per_step": link / steps if steps else 0.0,
+        "link_bytes_method": "rx + tx of this rank's interface (/proc/net/dev) over the training steps; "
+                             "on a testbed node, the node's link, which its ranks share",
     }
 
 

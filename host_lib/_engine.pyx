@@ -47,25 +47,14 @@ cdef extern from "<poll.h>":
 cdef extern from "<time.h>":
     enum: CLOCK_THREAD_CPUTIME_ID
 
-cdef extern from *:
-    """
-    #include "dosa_wire.h"
-
-    static inline uint32_t dosa_be32(const uint8_t *p)
-    {
-        return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
-    }
-    static inline uint32_t dosa_be16(const uint8_t *p) { return ((uint32_t)p[0] << 8) | p[1]; }
-    static inline int dosa_check_bytes(const uint8_t *p, uint32_t plen)
-    {
-        return dosa_check_header((const struct dosa_hdr *)p, plen);
-    }
-    """
-    int dosa_check_bytes(const uint8_t *p, uint32_t plen) nogil
-    uint32_t dosa_be32(const uint8_t *p) nogil
-    uint32_t dosa_be16(const uint8_t *p) nogil
-    int DOSA_T_SPARSE_RESULT, DOSA_T_DENSE_RESULT, DOSA_T_STATUS, DOSA_HDR_LEN
-    int DOSA_DPU_SENDER_ID, DOSA_MAX_PACKETS_PER_CONTRIBUTION
+# a packet's fields and entries: only through the accessors generated from dosa.wire
+# (dosa/dosa_wire.h, declared in dosa/dosa_wire.pxd), the header rules the XDP program runs included
+from dosa.dosa_wire cimport (DOSA_DPU_SENDER_ID, DOSA_HDR_LEN, DOSA_MAX_PACKETS_PER_CONTRIBUTION,
+                             DOSA_T_DENSE_RESULT, DOSA_T_SPARSE_RESULT, DOSA_T_STATUS, dosa_hdr,
+                             dosa_check_header, dosa_dense_value, dosa_hdr_base, dosa_hdr_count,
+                             dosa_hdr_job_id, dosa_hdr_partition, dosa_hdr_round, dosa_hdr_scale_exp,
+                             dosa_hdr_seq, dosa_hdr_total, dosa_hdr_type, dosa_hdr_worker_id,
+                             dosa_sparse_offset, dosa_sparse_value)
 
 
 cdef enum:
@@ -87,7 +76,7 @@ CPU = ("send", "receive", "intake")
 
 cdef enum:
     NMSG = 64           # datagrams per recvmmsg
-    MAXPK = 256         # DOSA_MAX_PACKETS_PER_CONTRIBUTION
+    MAXPK = DOSA_MAX_PACKETS_PER_CONTRIBUTION  # result packets of one partition (seq < total)
     SIDE_SLOTS = 256
 
 
@@ -444,18 +433,16 @@ cdef class RoundEngine:
         cdef int64_t lo, hi
         cdef int32_t v
         cdef Py_ssize_t at
-        cdef const uint8_t* po
-        cdef const uint8_t* pv
         cdef int sparse
         if plen < DOSA_HDR_LEN:
             self.stats_v[S_MALFORMED] += 1
             return
-        part = dosa_be16(pk + 14)
-        if dosa_be32(pk + 8) != self.job_id or dosa_be32(pk + 16) != self.round \
-                or dosa_be16(pk + 12) != <uint32_t>DOSA_DPU_SENDER_ID or part >= <uint32_t>self.P:
+        part = dosa_hdr_partition(pk)
+        if dosa_hdr_job_id(pk) != self.job_id or dosa_hdr_round(pk) != self.round \
+                or dosa_hdr_worker_id(pk) != <uint32_t>DOSA_DPU_SENDER_ID or part >= <uint32_t>self.P:
             self.stats_v[S_OTHER] += 1  # another job's, round's or sender's: not ours to judge
             return
-        typ = pk[5]
+        typ = dosa_hdr_type(pk)
         if typ == <uint32_t>DOSA_T_STATUS:
             if self.n_side < SIDE_SLOTS and plen <= self.side_v.shape[1]:
                 memcpy(&self.side_v[self.n_side, 0], pk, plen)
@@ -465,16 +452,16 @@ cdef class RoundEngine:
                 self.stats_v[S_SIDE_DROPPED] += 1
             return
         if (typ != <uint32_t>DOSA_T_SPARSE_RESULT and typ != <uint32_t>DOSA_T_DENSE_RESULT) \
-                or <int>(<signed char>pk[26]) != self.scale_exp:
+                or dosa_hdr_scale_exp(pk) != self.scale_exp:
             self.stats_v[S_OTHER] += 1
             return
-        if dosa_check_bytes(pk, <uint32_t>plen) != -1:
+        if dosa_check_header(<const dosa_hdr*>pk, <uint32_t>plen) != -1:
             self.stats_v[S_MALFORMED] += 1
             return
-        seq = dosa_be16(pk + 20)
-        count = dosa_be16(pk + 22)
-        total = dosa_be16(pk + 24)
-        base = dosa_be32(pk + 28)
+        seq = dosa_hdr_seq(pk)
+        count = dosa_hdr_count(pk)
+        total = dosa_hdr_total(pk)
+        base = dosa_hdr_base(pk)
         # the rules hold: 1 <= total <= MAXPK, seq < total, count fits the packet
         if self.done_v[part] or self.got_v[part, seq]:
             self.stats_v[S_DUPLICATE] += 1
@@ -488,18 +475,14 @@ cdef class RoundEngine:
             hi = self.numel
         sparse = typ == <uint32_t>DOSA_T_SPARSE_RESULT
         if sparse:
-            po = pk + DOSA_HDR_LEN
             for j in range(count):  # every index inside the partition, or the packet is dropped
-                idx = base + dosa_be16(po + 2 * j)
+                idx = base + dosa_sparse_offset(pk, count, j)
                 if <int64_t>idx < lo or <int64_t>idx >= hi:
                     self.stats_v[S_MALFORMED] += 1
                     return
-            pv = pk + DOSA_HDR_LEN + 2 * count + 2 * (count & 1)
-        else:
-            if count and (<int64_t>base < lo or <int64_t>base + count > hi):
-                self.stats_v[S_MALFORMED] += 1
-                return
-            pv = pk + DOSA_HDR_LEN
+        elif count and (<int64_t>base < lo or <int64_t>base + count > hi):
+            self.stats_v[S_MALFORMED] += 1
+            return
         if self.a_used + count > self.a_cap and not self._grow(self.a_used + count):
             self.stats_v[S_SIDE_DROPPED] += 1  # out of memory: the timers ask again
             return
@@ -507,12 +490,12 @@ cdef class RoundEngine:
         m = 0
         if sparse:
             for j in range(count):
-                self.a_idx[at + j] = base + dosa_be16(po + 2 * j)
-                self.a_val[at + j] = <int32_t>dosa_be32(pv + 4 * j)
+                self.a_idx[at + j] = base + dosa_sparse_offset(pk, count, j)
+                self.a_val[at + j] = dosa_sparse_value(pk, count, j)
             m = count
         else:
             for j in range(count):  # a dense run carries its span's zero sums: no entries
-                v = <int32_t>dosa_be32(pv + 4 * j)
+                v = dosa_dense_value(pk, count, j)
                 self.a_idx[at + m] = base + j
                 self.a_val[at + m] = v
                 m += v != 0

@@ -11,16 +11,17 @@ host_lib.round, importable from here) or ``StaleJobError`` (host_lib.membership)
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
+import logging
 import time
 
 import numpy as np
 
 from dosa.env import RankEnv
 from dosa.errors import DosaError
-from dosa.job import JobConfig
+from dosa.job import JobConfig, ResultMode
 from dosa import wire
+from dosa.join import join_view
 from dosa.net import addr_arrays, multicast_group, path_mtu
 from dosa.packetizer import packetize
 from dosa.transport import UdpEndpoint
@@ -30,11 +31,11 @@ from .membership import Membership, new_session
 from .rto import RttEstimator
 from .quantize import choose_scale_exp, clip_bound, dequantize
 from .round import MissingWorkersError, Round
+from .round_context import RoundContext, RoundStats
 from .stream import FedRound, SparseStream
 
 #: the client's public names; MissingWorkersError (host_lib.round's) is what a failed round raises
-__all__ = ["AggregationClient", "AllreduceHandle", "MissingWorkersError", "join_via_control",
-           "local_address_towards"]
+__all__ = ["AggregationClient", "AllreduceHandle", "MissingWorkersError"]
 
 
 class AllreduceHandle:
@@ -65,8 +66,9 @@ class AggregationClient:
         retx_interval: seconds before a partition's packets (or missing results) are re-requested.
         window: partitions in flight at once (bounds the DPU's and the socket's backlog).
         density: fraction of entries ``allreduce(array)`` sends (default: the job's).
-        join: with ``control``: keyword arguments of :func:`join_via_control` (job_id, address,
-            port, workers, dpus, mode, density, partition_size, scale_exp, wait).
+        join: with ``control``: keyword arguments of :func:`dosa.join.join_view` (job_id, address,
+            port, workers, dpus, mode, density, partition_size, scale_exp, wait, env); an unset one
+            is not read from the environment unless ``env`` says so (``from_env`` does).
         shuffle_sends: send every batch in random order (a test aid: reordering where the kernel
             has no netem; the protocol must not care).
     Example:
@@ -81,11 +83,12 @@ class AggregationClient:
         if job is None:
             if control is None:
                 raise DosaError("give either an explicit job config or control=(addr, port)")
-            jkw = dict(join or {})
+            jkw = {"env": {}, **(join or {})}
             if numel is not None:
                 jkw.setdefault("numel", int(numel))
             session = new_session()
-            job, view = join_via_control(control, worker_id, session=session, return_view=True, **jkw)
+            view = join_view((str(control[0]), int(control[1])), worker_id, session=session, **jkw)
+            job = JobConfig.from_view(view)
             # heartbeats and leave: the job ends with this client, or with its lease (a crash)
             self.membership = Membership(control, job, worker_id, session, view.get("generation"))
         if not 0 <= worker_id < job.workers:
@@ -98,7 +101,6 @@ class AggregationClient:
         self.timeout = float(timeout)
         self.retx_interval = float(retx_interval)
         self.window = int(window)
-        self.round = 0
         self.scale_exp = job.scale_exp
         self.initial_scale_exp = job.scale_exp
         self.density = job.density if density is None else float(density)
@@ -110,8 +112,6 @@ class AggregationClient:
             try:
                 self.ep.join_group(*self.multicast_group, job.hosts[worker_id][0])
             except DosaError as e:
-                import logging
-
                 logging.getLogger("dosa.host").warning("%s; results will need retransmission", e)
                 self.multicast_group = None
         self.dpu_table = addr_arrays(job.dpus)
@@ -120,20 +120,20 @@ class AggregationClient:
         self._dpu_ip_of = {int(ip): d for d, ip in enumerate(self.dpu_table[0])}
         self._encoder: RoundEncoder | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.retransmissions = 0
-        #: what the retransmissions were, by cause: asks for a result not started (``ask_result``),
-        #: for the missing packets of a partial one (``ask_packets``), this host's data resent after
-        #: two unanswered asks (``resend_unanswered``) or because a STATUS named it (``resend_nack``);
-        #: partitions (packets for the resends) — where a round's recovery time goes
-        self.retransmit_causes: collections.Counter = collections.Counter()
+        #: what this client's rounds did (host_lib.round_context.RoundStats): every round adds to it
+        self.round_stats = RoundStats()
         #: the retransmission timer, from the round trips this client measured (host_lib/rto.py)
         self.rtt = RttEstimator(self.retx_interval)
         self._rng = np.random.default_rng() if shuffle_sends else None
-        self.last_missing: dict[int, list[int]] = {}
-        #: CPU seconds (this thread's, user + sys) spent per phase of the rounds, summed over rounds:
-        #: packetize, send, receive (the recv system calls), absorb (header checks, bookkeeping),
-        #: retransmit, decode. The benchmark's phase breakdown reads it.
-        self.phase_cpu: dict[str, float] = {}
+
+    # what the rounds report, by the names the client always had
+    round = property(lambda self: self.round_stats.rounds, doc="completed rounds: the next round's number")
+    retransmissions = property(lambda self: self.round_stats.retransmissions)
+    retransmit_causes = property(lambda self: self.round_stats.retransmit_causes,
+                                 doc="retransmissions by cause (host_lib.round_context.RoundStats)")
+    last_missing = property(lambda self: self.round_stats.last_missing)
+    phase_cpu = property(lambda self: self.round_stats.phase_cpu,
+                         doc="CPU seconds by phase of the rounds; the benchmark's phase breakdown")
 
     def _round_engine(self):
         """The compiled round engine (host_lib/_engine.pyx), made once per client: its buffers
@@ -155,38 +155,39 @@ class AggregationClient:
                                        int(self._rng.integers(1, 2**62)) if self._rng is not None else 0)
         return self._engine
 
-    def _phase(self, name: str, t0: float) -> float:
-        """Add this thread's CPU time since ``t0`` to ``phase_cpu[name]``; returns the time now."""
-        t = time.thread_time()
-        self.phase_cpu[name] = self.phase_cpu.get(name, 0.0) + t - t0
-        return t
+    def _context(self) -> RoundContext:
+        """What a round of this client gets (host_lib.round_context): it reports into round_stats."""
+        return RoundContext(self.job, self.worker_id, self.pmap, self.ep, self._round_engine(),
+                            self._owner, self.dpu_table, self.rtt, self.timeout, self.membership,
+                            self.round_stats, self._rng)
 
     # ------------------------------------------------------------------ public API
     @classmethod
     def from_env(cls, numel: int, **kw) -> "AggregationClient":
         """Join the job the DOSA_* environment names (``dosa testbed run`` sets it): the control
-        plane at DOSA_CONTROL_ADDR:DOSA_CONTROL_PORT, or an explicit DOSA_JOB_CONFIG file."""
+        plane at DOSA_CONTROL_ADDR:DOSA_CONTROL_PORT, or an explicit DOSA_JOB_CONFIG file.
+        ``worker_id`` (default RANK) and ``join`` (``job_id``, ``workers``, ...) override what the
+        environment says: the node-aware hook joins its slice's job as its node
+        (host_lib.hook_node)."""
         env = RankEnv.parse()
+        worker_id = kw.pop("worker_id", None)
+        worker_id = env.rank if worker_id is None else worker_id
         if env.job_config:
-            return cls(JobConfig.load(env.job_config), worker_id=env.rank, **kw)
+            return cls(JobConfig.load(env.job_config), worker_id=worker_id, **kw)
         if env.control is None:
             raise DosaError("no dosa job in the environment: set DOSA_CONTROL_ADDR/DOSA_CONTROL_PORT "
                             "or DOSA_JOB_CONFIG")
-        join = {"job_id": env.job_id or 1, "workers": env.world_size or 1}
-        if env.host_addr:
-            join["address"] = env.host_addr
-        if env.port:
-            join["port"] = env.port
-        if env.dpu_addrs:
-            join["dpus"] = env.dpu_addrs
-        join.update(kw.pop("join", None) or {})
+        # what the environment leaves unset, dosa.join.join_view reads from it; a host's own
+        # defaults for the job its join may create: job 1 of one worker, the path's MTU
+        join = {"env": env, "job_id": env.job_id or 1, "workers": env.world_size or 1,
+                **(kw.pop("join", None) or {})}
         if "mtu" not in join:
             # the largest frame the path to the DPU takes (every rank computes the same on a fabric
             # of one MTU, so the job's first joiner and the rest agree)
             mtu = path_mtu((env.dpu_addrs or [env.control[0]])[0])  # plain IPv4 addresses
             if mtu is not None and mtu >= wire.MIN_MTU:
                 join["mtu"] = min(mtu, wire.MAX_MTU)
-        return cls(worker_id=env.rank, control=env.control, numel=numel, join=join, **kw)
+        return cls(worker_id=worker_id, control=env.control, numel=numel, join=join, **kw)
 
     @property
     def stats(self) -> dict:
@@ -214,7 +215,7 @@ class AggregationClient:
         sent = self._encoder.encode(x, s)
         out = np.zeros(self.job.numel, np.float32)
         ridx, sums = self.allreduce_sparse(sent.indices, sent.values, s, dense_out=out)
-        if self.job.mode == "gtopk":
+        if self.job.mode == ResultMode.GTOPK:
             self._encoder.fold_back(*self._encoder.unapplied(sent, ridx), s)
         m = float(np.abs(dequantize(sums, s)).max()) if len(sums) else 0.0
         if m > 0:
@@ -254,21 +255,21 @@ class AggregationClient:
                               mtu=self.job.mtu)
         except ValueError as e:
             raise DosaError(f"cannot packetize round {self.round}: {e}") from None
-        self._phase("packetize", t0)
-        out = Round(self, batch, int(scale_exp), dense_out, dense_clear).run()
-        self.round += 1
+        self.round_stats.phase("packetize", t0)
+        out = Round(self._context(), batch, int(scale_exp), dense_out, dense_clear).run()
+        self.round_stats.rounds += 1
         return out
 
     def open_fed_round(self, scale_exp: int, *, dense_out=None, dense_clear=None):
         """Start a round fed in ascending partition ranges by this thread (host_lib.stream.FedRound:
         ``feed(indices, values, upto)`` sends a range at once, ``finish()`` returns the result);
         ``dense_out``/``dense_clear`` as for allreduce_sparse."""
-        return FedRound(self, int(scale_exp), dense_out, dense_clear)
+        return FedRound(self._context(), int(scale_exp), dense_out, dense_clear)
 
     def open_stream(self, scale_exp: int):
         """Start a round whose partitions are handed over in ascending ranges while it runs
         (host_lib.stream.SparseStream: a DDP step's buckets, sent as backward produces them)."""
-        return SparseStream(self, int(scale_exp))
+        return SparseStream(self._context(), int(scale_exp))
 
     #: no heartbeat-based membership unless joined through the control plane
     membership: Membership | None = None
@@ -286,43 +287,3 @@ class AggregationClient:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def local_address_towards(addr: str) -> str:
-    """The local IPv4 address the kernel would use to reach ``addr`` (no packet is sent)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((addr, 9))
-        return s.getsockname()[0]
-
-
-def join_via_control(control, worker_id: int, numel=None, *, job_id: int | None = None,
-                     address: str | None = None, port: int | None = None, workers=None, dpus=None,
-                     wait: float = 60.0, return_view: bool = False, **shape) -> JobConfig:
-    """Join a job through the control plane's API (control.api) and return its JobConfig.
-
-    Blocks until every worker has joined (at most ``wait`` s): results fan out to every host, so a
-    job is only usable once all are known. The first joiner creates the job from the shape given
-    (numel, workers, dpus, ...), like a torchrun rendezvous.
-    """
-    try:
-        from dosa.join import join_raw
-    except ImportError:
-        raise DosaError("the control plane's join API (control.api) is not available; "
-                        "give the job config explicitly") from None
-    if job_id is None:
-        raise DosaError("joining through the control plane needs the job id")
-    ctl = (str(control[0]), int(control[1]))
-    if address is None:
-        address = local_address_towards(ctl[0])
-    body = dict(shape)
-    if numel is not None:
-        body["numel"] = int(numel)
-    if workers is not None:
-        body["workers"] = int(workers)
-    if dpus:
-        body["dpus"] = list(dpus)
-    view = join_raw(ctl, job_id, address, port, worker_id, wait, **body)
-    job = JobConfig.from_view(view)
-    return (job, view) if return_view else job

@@ -16,8 +16,6 @@ Loss recovery (docs/dpu_worker.md):
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from dosa import wire
@@ -27,9 +25,7 @@ from dosa.wire import Flags, HEADER_DTYPE, PacketBatch, PacketType
 
 from . import _engine
 from .membership import StaleJobError
-
-if TYPE_CHECKING:
-    from .client import AggregationClient
+from .round_context import RoundContext
 
 
 #: seconds without progress after which a round asks its membership whether a member is gone
@@ -54,19 +50,21 @@ class Round:
     runs its send / receive / intake loop; this class runs what is rare (STATUS answers,
     retransmission timers, failures) on the engine's state arrays."""
 
-    def __init__(self, client: AggregationClient, batch: PacketBatch | None, scale_exp: int,
+    def __init__(self, ctx: RoundContext, batch: PacketBatch | None, scale_exp: int,
                  dense_out=None, dense_clear=None):
-        """``batch``: every partition's data packets, or None for a round fed in ascending
-        partition ranges (``_append``: host_lib.stream). ``dense_out``: also write the result
-        into this float32 array, partition by partition as they come in, after zeroing there the
-        indices ``dense_clear`` (ascending; what the previous round wrote)."""
-        self.c = client
+        """``ctx``: what the client hands its rounds (host_lib.round_context); the round adds to
+        ``ctx.stats``. ``batch``: every partition's data packets, or None for a round fed in
+        ascending partition ranges (``_append``: host_lib.stream). ``dense_out``: also write the
+        result into this float32 array, partition by partition as they come in, after zeroing
+        there the indices ``dense_clear`` (ascending; what the previous round wrote)."""
+        self.ctx = ctx
+        self.number = ctx.stats.rounds  #: this round's number (the rounds the client completed)
         self.scale_exp = scale_exp
-        P = client.pmap.num_partitions
+        P = ctx.pmap.num_partitions
         self.P = P
-        self.owner = client._owner
-        eng = self.eng = client._round_engine()
-        eng.begin(client.round, int(scale_exp), 0)
+        self.owner = ctx.owner
+        eng = self.eng = ctx.engine
+        eng.begin(self.number, int(scale_exp), 0)
         if dense_out is not None:
             eng.dense_output(dense_out, np.zeros(0, np.uint32) if dense_clear is None else dense_clear)
         # the round's data packets, in partition order, in buffers grown as ranges come in
@@ -127,7 +125,7 @@ class Round:
         self.eng.release(upto)
 
     def run(self) -> tuple[np.ndarray, np.ndarray]:
-        c = self.c
+        c = self.ctx
         t = time.thread_time()
         wake = time.monotonic() + GAP_GRACE_S
         while True:
@@ -147,22 +145,22 @@ class Round:
             if stalled > c.timeout:
                 self._fail()
             wake = self._retransmit(now, self.eng.last_progress)
-            t = c._phase("retransmit", t)
-        c.last_missing = {}
+            t = c.stats.phase("retransmit", t)
+        c.stats.last_missing = {}
         out = self.eng.result()
-        c._phase("decode", t)
+        c.stats.phase("decode", t)
         return out
 
     def _pump(self, timeout: float, **kw) -> int:
         """One engine call (send what the window allows, take what arrives, wait up to
         ``timeout``), then what it leaves to Python: STATUS answers, RTT samples, the phases' CPU."""
-        c, eng = self.c, self.eng
+        c, eng = self.ctx, self.eng
         flags = eng.pump(c.ep.fd, c.ep.mfd, timeout, **kw)
         cpu = eng.cpu.copy()
         d = cpu - self._cpu
         self._cpu = cpu
         for name, dt in zip(("send", "receive", "absorb"), d.tolist()):
-            c.phase_cpu[name] = c.phase_cpu.get(name, 0.0) + dt
+            c.stats.phase_cpu[name] = c.stats.phase_cpu.get(name, 0.0) + dt
         self._note_gso(flags)
         if flags & _engine.SIDE:
             n = eng.n_side
@@ -180,12 +178,12 @@ class Round:
 
     def _note_gso(self, flags: int) -> None:
         if flags & _engine.GSO_OFF:  # (the engine's send loop has already gone on without it)
-            self.c.ep.gso_refused()
+            self.ctx.ep.gso_refused()
 
     def _send(self, rows: np.ndarray) -> None:
-        if self.c._rng is not None:
-            rows = self.c._rng.permutation(rows)
-        self.c.ep.send_to_table(self.batch, self.c.dpu_table, rows)
+        if self.ctx.rng is not None:
+            rows = self.ctx.rng.permutation(rows)
+        self.ctx.ep.send_to_table(self.batch, self.ctx.dpu_table, rows)
 
     def _statuses(self, parsed) -> None:
         """STATUS answers: remember who the DPU waits for; resend our data where it names us."""
@@ -197,13 +195,13 @@ class Round:
             self.missing[p] = ws
             self.status_at[p] = time.monotonic()
             self.unanswered[p] = 0
-            if self.c.worker_id in ws and not self.done[p] and self.sent[p] and \
+            if self.ctx.worker_id in ws and not self.done[p] and self.sent[p] and \
                     time.monotonic() - self.last_resend[p] > GAP_GRACE_S:  # the DPU paces NACKs
                 need.append(p)
         if need:  # the DPU lacks (part of) our contribution: it was lost, resend it
             parts = np.unique(need)
             self._resend_data(parts)
-            self.c.retransmit_causes["resend_nack"] += len(parts)
+            self.ctx.stats.retransmit_causes["resend_nack"] += len(parts)
 
     def _retransmit(self, now: float, last_progress: float) -> float:
         """Re-request what is overdue. A partition's timer runs from its last send or from the
@@ -219,7 +217,7 @@ class Round:
         Returns the earliest time a timer can fire next, so the caller sleeps until then (in the
         engine, which takes results meanwhile) instead of waking every few ms: progress and sends
         only move timers later."""
-        c = self.c
+        c = self.ctx
         rto = c.rtt.rto
         if now - last_progress <= min(GAP_GRACE_S, rto):
             # nothing can be due: a partition's timer runs from max(its last send, the round's
@@ -258,10 +256,10 @@ class Round:
         self.unanswered[nores] += 1
         if len(resend):
             self._resend_data(resend)
-            c.retransmit_causes["resend_unanswered"] += len(resend)
+            c.stats.retransmit_causes["resend_unanswered"] += len(resend)
         if len(nores):
             self._send_retx_all(nores)
-            c.retransmit_causes["ask_result"] += len(nores)
+            c.stats.retransmit_causes["ask_result"] += len(nores)
         reqs = []
         for p in partial.tolist():
             have = self.got[p, :self.res_total[p]]
@@ -270,8 +268,8 @@ class Round:
         if reqs:
             rb = PacketBatch.from_packets([q for q, _ in reqs], dest=[d for _, d in reqs])
             c.ep.send_to_table(rb, c.dpu_table)
-            c.retransmissions += len(reqs)
-            c.retransmit_causes["ask_packets"] += len(reqs)
+            c.stats.retransmissions += len(reqs)
+            c.stats.retransmit_causes["ask_packets"] += len(reqs)
         self.last_tx[due] = now
         self.tries[due] += 1
         return nxt
@@ -288,28 +286,28 @@ class Round:
         self.unanswered[parts] = 0
         self.resent[parts] = True
         self.last_resend[parts] = time.monotonic()
-        self.c.retransmissions += len(r)
+        self.ctx.stats.retransmissions += len(r)
 
     def _send_retx_all(self, parts: np.ndarray) -> None:
         """RETX_REQUEST(count=0) for each partition in ``parts``, built vectorized."""
         n = len(parts)
-        b = packetize_control(PacketType.RETX_REQUEST, parts, job_id=self.c.job.job_id,
-                              worker_id=self.c.worker_id, round=self.c.round, dest=self.owner[parts])
-        self.c.ep.send_to_table(b, self.c.dpu_table)
-        self.c.retransmissions += n
+        b = packetize_control(PacketType.RETX_REQUEST, parts, job_id=self.ctx.job.job_id,
+                              worker_id=self.ctx.worker_id, round=self.number, dest=self.owner[parts])
+        self.ctx.ep.send_to_table(b, self.ctx.dpu_table)
+        self.ctx.stats.retransmissions += n
 
     def _retx_request(self, p: int, seqs: np.ndarray) -> tuple[bytes, int]:
-        h = wire.Header(type=PacketType.RETX_REQUEST, job_id=self.c.job.job_id,
-                        worker_id=self.c.worker_id, partition=p, round=self.c.round, seq=0, total=1)
+        h = wire.Header(type=PacketType.RETX_REQUEST, job_id=self.ctx.job.job_id,
+                        worker_id=self.ctx.worker_id, partition=p, round=self.number, seq=0, total=1)
         return wire.build_packet(h, seqs), int(self.owner[p])
 
     def _check_members(self, stalled: float) -> None:
         """The round stalls: if the control plane says this host's job is gone, or a member the
         DPU is waiting for is dead or has left, say so now (not after the no-progress timeout)."""
-        c = self.c
+        c = self.ctx
         m = c.membership
         if m.broken is not None:
-            raise StaleJobError(f"allreduce round {c.round} of job {c.job.job_id} cannot complete: "
+            raise StaleJobError(f"allreduce round {self.number} of job {c.job.job_id} cannot complete: "
                                 f"{m.broken}")
         gone = m.problem()
         if gone is None:
@@ -323,20 +321,20 @@ class Round:
         named = sorted(set(gone) & waited)
         if not named:
             return
-        c.last_missing = {int(p): self.missing.get(int(p), []) for p in fresh}
+        c.stats.last_missing = {int(p): self.missing.get(int(p), []) for p in fresh}
         raise MissingWorkersError(
-            f"allreduce round {c.round} of job {c.job.job_id} stalled for {stalled:.1f} s: the DPU is "
+            f"allreduce round {self.number} of job {c.job.job_id} stalled for {stalled:.1f} s: the DPU is "
             f"still waiting for worker(s) {named}: " + "; ".join(gone[w] for w in named), named)
 
     def _fail(self):
         """Raise the round's timeout, naming the workers the DPUs reported missing recently (a
         STATUS older than half the timeout may be stale: the DPU may have died since)."""
-        c = self.c
+        c = self.ctx
         now = time.monotonic()
         stuck = np.flatnonzero(self.sent & ~self.done)
         fresh = [p for p in stuck.tolist() if now - self.status_at[p] < max(1.0, c.timeout / 2)]
         missing = sorted({w for p in fresh for w in self.missing.get(p, [])})
-        c.last_missing = {int(p): self.missing.get(int(p), []) for p in fresh}
+        c.stats.last_missing = {int(p): self.missing.get(int(p), []) for p in fresh}
         shown = ", ".join(str(p) for p in stuck[:8].tolist()) + (" ..." if len(stuck) > 8 else "")
         silent = sorted({int(self.owner[p]) for p in stuck.tolist()} -
                         {int(self.owner[p]) for p in fresh})
@@ -347,5 +345,5 @@ class Round:
             addrs = ", ".join(f"{a}:{b}" for a, b in (c.job.dpus[d] for d in silent))
             parts.append(f"no recent answer from DPU(s) {silent} ({addrs})")
         raise MissingWorkersError(
-            f"allreduce round {c.round} of job {c.job.job_id} made no progress for {c.timeout:g} s: "
+            f"allreduce round {self.number} of job {c.job.job_id} made no progress for {c.timeout:g} s: "
             f"{len(stuck)} partition(s) incomplete ({shown}); " + "; ".join(parts), missing)

@@ -33,12 +33,13 @@ from dosa.wire import PacketBatch
 
 from . import _engine
 from .round import MAX_SLEEP_S, MIN_SLEEP_S, STALL_CHECK_S, Round
+from .round_context import RoundContext
 
 
 def _range_packets(rnd: Round, indices, values, upto: int, what: str) -> PacketBatch | None:
     """This host's data packets of the next partitions, ``[released, upto)`` of round ``rnd``
     (None: the range is empty). ``what`` names the round in errors ("round", "stream")."""
-    c, lo = rnd.c, rnd.eng.released
+    c, lo = rnd.ctx, rnd.eng.released
     if not lo <= upto <= rnd.P:
         raise DosaError(f"{what}: partitions must be handed over in order; {lo} are in, asked up "
                         f"to {upto} of {rnd.P}")
@@ -49,11 +50,11 @@ def _range_packets(rnd: Round, indices, values, upto: int, what: str) -> PacketB
     t0 = time.thread_time()
     try:
         b = packetize(indices, values, c.pmap, job_id=c.job.job_id, worker_id=c.worker_id,
-                      round=c.round, scale_exp=rnd.scale_exp, partitions=np.arange(lo, upto),
+                      round=rnd.number, scale_exp=rnd.scale_exp, partitions=np.arange(lo, upto),
                       mtu=c.job.mtu)
     except ValueError as e:
-        raise DosaError(f"cannot packetize round {c.round}: {e}") from None
-    c._phase("packetize", t0)
+        raise DosaError(f"cannot packetize round {rnd.number}: {e}") from None
+    c.stats.phase("packetize", t0)
     return b
 
 
@@ -65,8 +66,8 @@ class FedRound(Round):
     (host_lib.client.AggregationClient.open_fed_round). SparseStream is the same with a background
     thread, for DDP's hook, whose caller is backward."""
 
-    def __init__(self, client, scale_exp: int, dense_out=None, dense_clear=None):
-        super().__init__(client, None, int(scale_exp), dense_out, dense_clear)
+    def __init__(self, ctx: RoundContext, scale_exp: int, dense_out=None, dense_clear=None):
+        super().__init__(ctx, None, int(scale_exp), dense_out, dense_clear)
 
     def feed(self, indices, values, upto: int) -> None:
         """Add partitions ``[released, upto)`` with this host's entries in them (sorted unique u32
@@ -81,15 +82,15 @@ class FedRound(Round):
         if self.eng.released != self.P:
             raise DosaError(f"round: only {self.eng.released} of {self.P} partitions were fed")
         out = self.run()
-        self.c.round += 1
+        self.ctx.stats.rounds += 1
         return out
 
 
 class SparseStream(Round):
     """A round fed in ascending partition ranges (see the module docstring)."""
 
-    def __init__(self, client, scale_exp: int):
-        super().__init__(client, None, int(scale_exp))
+    def __init__(self, ctx: RoundContext, scale_exp: int):
+        super().__init__(ctx, None, int(scale_exp))
         self._lock = threading.Lock()
         self._waiters: list[tuple[int, int, concurrent.futures.Future]] = []
         self._error: BaseException | None = None
@@ -112,7 +113,7 @@ class SparseStream(Round):
             if self._error is not None:
                 raise DosaError(f"stream: the round already failed: {self._error}")
             self._append(b, upto)
-            self._note_gso(self.eng.fill(self.c.ep.fd))
+            self._note_gso(self.eng.fill(self.ctx.ep.fd))
 
     def wait_for(self, lo: int, hi: int) -> concurrent.futures.Future:
         """Future of ``(indices u32, sums int32)`` of partitions ``[lo, hi)``, ascending."""
@@ -133,7 +134,7 @@ class SparseStream(Round):
 
     # ------------------------------------------------------------------ background thread
     def _loop(self) -> None:
-        c, eng = self.c, self.eng
+        c, eng = self.ctx, self.eng
         try:
             while True:
                 with self._lock:
@@ -156,8 +157,8 @@ class SparseStream(Round):
                 # until the next timer, or a packet (the training thread's sends go out from its
                 # own call: nothing here needs to wake for them)
                 eng.wait(c.ep.fd, c.ep.mfd, min(max(wake - time.monotonic(), MIN_SLEEP_S), MAX_SLEEP_S))
-            c.last_missing = {}
-            c.round += 1
+            c.stats.last_missing = {}
+            c.stats.rounds += 1
         except BaseException as e:  # noqa: BLE001 - handed to every waiter, re-raised by finish()
             with self._lock:
                 self._error = e

@@ -98,6 +98,9 @@ def _run_args(p) -> None:
     p.add_argument("--log-dir", default=None, help="where rank<i>.out/.err go (default under /tmp)")
     p.add_argument("--master-port", type=int, default=config.DEFAULT_MASTER_PORT)
     p.add_argument("--quiet", action="store_true", help="do not echo the ranks' output")
+    p.add_argument("--ranks-per-node", type=int, default=1, metavar="L",
+                   help="run L ranks in every host namespace, as the local ranks of one node that "
+                        "share its address and link (LOCAL_RANK, LOCAL_WORLD_SIZE; default 1)")
     p.add_argument("--torchrun", action="store_true",
                    help="start one real torchrun agent per host (c10d rendezvous over the fabric); "
                         "the command is then SCRIPT ARGS")
@@ -191,7 +194,8 @@ def cmd_down(args) -> int:
 
 def cmd_run(args) -> int:
     res = _tb(args).run(_cmd(args), timeout=args.timeout, log_dir=args.log_dir,
-                        echo=not args.quiet, master_port=args.master_port, torchrun=args.torchrun)
+                        echo=not args.quiet, master_port=args.master_port, torchrun=args.torchrun,
+                        ranks_per_node=args.ranks_per_node)
     return _report_run(res)
 
 
@@ -206,7 +210,8 @@ def cmd_capture(args) -> int:
     flt = args.filter.split() if args.filter else None
     stats, res = _tb(args).capture(args.out, _cmd(args), timeout=args.timeout, bpf_filter=flt,
                                    log_dir=args.log_dir, echo=not args.quiet,
-                                   master_port=args.master_port, torchrun=args.torchrun)
+                                   master_port=args.master_port, torchrun=args.torchrun,
+                                   ranks_per_node=args.ranks_per_node)
     drops = f", {stats.dropped_by_kernel} dropped by the kernel" if stats.dropped_by_kernel else ""
     print(f"dosa: captured {stats.packets} packets to {stats.path}{drops}")
     return _report_run(res)

@@ -36,6 +36,9 @@ DPU_BASE = 200
 MAX_HOSTS = wire.MAX_WORKERS  # a host is a worker of the job: worker_id < MAX_WORKERS
 MAX_DPUS = 50
 DEFAULT_MASTER_PORT = 29500  # torchrun's default
+#: Ranks one host namespace may run as a node (``run(ranks_per_node=)``): a GPU machine has up to
+#: 8-16; the bound only keeps a typo from starting thousands of processes.
+MAX_RANKS_PER_NODE = 64
 #: Link MTU (``up(mtu=)``, ``dosa testbed up --mtu``): by default the largest that works on the
 #: testbed's path, wire.MAX_MTU (native XDP on a veth takes frames up to about one page without
 #: multi-buffer; jobs on the testbed get the same MTU, so dosa's packets are as large as the links).
@@ -51,6 +54,13 @@ def check_prefix(prefix: str) -> str:
         raise DosaError(f"testbed prefix {prefix!r} must be 1-8 lowercase letters/digits starting "
                         "with a letter")
     return prefix
+
+
+def check_ranks_per_node(n) -> int:
+    """``ranks_per_node`` as an int in 1..MAX_RANKS_PER_NODE, or a DosaError sentence."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_RANKS_PER_NODE:
+        raise DosaError(f"ranks per node must be an integer in 1..{MAX_RANKS_PER_NODE}, not {n!r}")
+    return n
 
 
 def default_prefix() -> str:

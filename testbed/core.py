@@ -24,12 +24,12 @@ from pathlib import Path
 
 from dosa.env import RankEnv
 from dosa.errors import DosaError
-from dosa.job import DPU_MODES
+from dosa.job import DPU_MODES, DpuMode
 
 from testbed import config, credentials, impair, ns, state
 from testbed.netlink import Netlink, netns_del
 from testbed.capture import CaptureStats, Tcpdump, WireFrames
-from testbed.config import BRIDGE, NODE_IFACE, Layout, Node
+from testbed.config import BRIDGE, NODE_IFACE, Layout, Node, check_ranks_per_node
 from testbed.runner import RankSpec, RunResult, run_ranks, torchrun_argv
 from testbed.services import CONTROL_PORT, DATA_PORT, DpuContext, ServiceSpec, dpu_services
 from testbed.shaping import Shaping
@@ -164,7 +164,7 @@ class Testbed:
             state.save(self.state_path, st)
             if services and dpus:
                 self._start_services(layout, st, ready_timeout)
-            if cpu_split and dpus and services and mode == "xdp":
+            if cpu_split and dpus and services and mode == DpuMode.XDP:
                 # after the services: a veth has NAPI (and so a thread) only once XDP is attached
                 st["dpu_napi_threads"] = self._dpu_receive_on_dpu_cores(layout, dpu_cpus)
             st["status"] = "up"
@@ -408,36 +408,46 @@ class Testbed:
 
     # ------------------------------------------------------------------ jobs
     def job_env(self, rank: int, st: dict | None = None, job_id: int | None = None,
-                master_port: int = config.DEFAULT_MASTER_PORT) -> dict:
+                master_port: int = config.DEFAULT_MASTER_PORT, ranks_per_node: int = 1) -> dict:
         """The environment rank ``rank`` runs with (torchrun's variables + dosa's); see
-        docs/testbed.md."""
+        docs/testbed.md. With ``ranks_per_node`` L > 1, host namespace i is a node holding ranks
+        i*L .. i*L+L-1 (torchrun's numbering): they share its address and link, and LOCAL_RANK,
+        LOCAL_WORLD_SIZE and GROUP_RANK say so."""
         st = st or self._require_state()
         lay = self.layout(st)
         hosts, dpus = lay.host_nodes, lay.dpu_nodes
-        if not 0 <= rank < len(hosts):
-            raise DosaError(f"rank {rank} is outside 0..{len(hosts) - 1}")
-        dosa_env = RankEnv(rank=rank, world_size=len(hosts), host_addr=hosts[rank].address, iface=NODE_IFACE,
+        per = check_ranks_per_node(ranks_per_node)
+        world = len(hosts) * per
+        if not 0 <= rank < world:
+            raise DosaError(f"rank {rank} is outside 0..{world - 1}")
+        node = hosts[rank // per]
+        dosa_env = RankEnv(rank=rank, world_size=world, host_addr=node.address, iface=NODE_IFACE,
                            job_id=job_id if job_id is not None else st.get("next_job_id", 1),
                            port=st["data_port"], dpu_addrs=[d.address for d in dpus],
                            control=(dpus[0].address, st["control_port"]) if dpus else None,
                            secret_file=self._cred(credentials.HOST_SECRET))
-        env = {"LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "GROUP_RANK": rank, "ROLE_RANK": rank,
-               "ROLE_WORLD_SIZE": len(hosts), "MASTER_ADDR": hosts[0].address, "MASTER_PORT": master_port,
-               "DOSA_TESTBED": self.prefix, **dosa_env.to_env(),
+        env = {"LOCAL_RANK": rank % per, "LOCAL_WORLD_SIZE": per, "GROUP_RANK": node.index,
+               "ROLE_RANK": rank, "ROLE_WORLD_SIZE": world, "MASTER_ADDR": hosts[0].address,
+               "MASTER_PORT": master_port, "DOSA_TESTBED": self.prefix, **dosa_env.to_env(),
                # set even when empty: a CA of the caller's own environment must not leak in
                "DOSA_CONTROL_CA": self._cred(credentials.CA_CERT) or ""}
         return {k: str(v) for k, v in env.items()}
 
     def run(self, argv: list[str], timeout: float | None = None, env: dict | None = None,
             log_dir: str | os.PathLike | None = None, echo=True,
-            master_port: int = config.DEFAULT_MASTER_PORT, torchrun: bool = False) -> RunResult:
+            master_port: int = config.DEFAULT_MASTER_PORT, torchrun: bool = False,
+            ranks_per_node: int = 1) -> RunResult:
         """Run ``argv`` in every host namespace concurrently (rank i in ``<prefix>-h<i>``); see
         testbed.runner. ``env`` adds to every rank's environment. ``torchrun``: start one real
         torchrun agent per host instead (c10d rendezvous at the first host's ``master_port``;
-        ``argv`` is then ``SCRIPT ARGS``), which sets the torch variables itself."""
+        ``argv`` is then ``SCRIPT ARGS``), which sets the torch variables itself.
+        ``ranks_per_node`` L: every host namespace is a node running L ranks (a GPU machine's
+        local ranks), which share its address and its link; a run reserves L job ids, J..J+L-1
+        (DOSA_JOB_ID is J), for the node-aware hook's slice jobs (docs/training.md)."""
+        per = check_ranks_per_node(ranks_per_node)
         st = self._require_state()
         job_id = int(st.get("next_job_id", 1))
-        st["next_job_id"] = job_id % (2**32 - 1) + 1
+        st["next_job_id"] = (job_id + per - 1) % (2**32 - 1) + 1
         state.save(self.state_path, st)
         lay = self.layout(st)
         if log_dir is None:
@@ -446,23 +456,27 @@ class Testbed:
         n_cpus = len(st["host_cpus"] or os.sched_getaffinity(0))
         specs = []
         for node in lay.host_nodes:
-            e = self.job_env(node.index, st, job_id, master_port)
-            # torchrun sets OMP_NUM_THREADS=1 when it starts several processes per machine; here
-            # all ranks share this machine's CPUs, so the same reasoning applies
-            if "OMP_NUM_THREADS" not in os.environ:
-                e["OMP_NUM_THREADS"] = str(max(1, n_cpus // len(lay.host_nodes)))
-            # Gloo/TensorPipe pick their interface from the hostname, which in a namespace
-            # resolves to loopback: point them at the fabric interface
-            for var in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
-                if var not in os.environ:
-                    e[var] = NODE_IFACE
-            e.update({k: str(v) for k, v in (env or {}).items()})
-            own = None
-            if torchrun:
-                own = torchrun_argv(list(argv), nnodes=len(lay.host_nodes), rdzv_id=job_id,
-                                    rdzv_endpoint=f"{lay.host_nodes[0].address}:{master_port}",
-                                    local_addr=node.address, is_host=node.index == 0)
-            specs.append(RankSpec(node.index, node.namespace, e, st["host_cpus"], own))
+            for local in range(1 if torchrun else per):
+                rank = node.index * per + local
+                e = self.job_env(rank, st, job_id, master_port, per)
+                # torchrun sets OMP_NUM_THREADS=1 when it starts several processes per machine;
+                # here all ranks share this machine's CPUs, so the same reasoning applies
+                if "OMP_NUM_THREADS" not in os.environ:
+                    e["OMP_NUM_THREADS"] = str(max(1, n_cpus // (len(lay.host_nodes) * per)))
+                # Gloo/TensorPipe pick their interface from the hostname, which in a namespace
+                # resolves to loopback: point them at the fabric interface
+                for var in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
+                    if var not in os.environ:
+                        e[var] = NODE_IFACE
+                e.update({k: str(v) for k, v in (env or {}).items()})
+                own = None
+                if torchrun:
+                    own = torchrun_argv(list(argv), nnodes=len(lay.host_nodes), rdzv_id=job_id,
+                                        rdzv_endpoint=f"{lay.host_nodes[0].address}:{master_port}",
+                                        local_addr=node.address, is_host=node.index == 0,
+                                        nproc_per_node=per)
+                    rank = node.index  # one agent per node; its workers are numbered by torchrun
+                specs.append(RankSpec(rank, node.namespace, e, st["host_cpus"], own))
         return run_ranks(specs, list(argv), Path(log_dir), timeout=timeout, echo=echo)
 
     def capture(self, out: str | os.PathLike, argv: list[str], timeout: float | None = None,

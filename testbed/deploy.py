@@ -36,6 +36,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as the tomli package
 
 from dosa.env import RankEnv
 from dosa.errors import DosaError
+from dosa.job import DPU_MODES, DpuMode
 
 from testbed import credentials
 from testbed.services import CONTROL_PORT, DATA_PORT, DpuContext, dpu_services
@@ -174,9 +175,9 @@ def load_inventory(path: str | Path) -> Inventory:
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65535:
             raise bad(f"deploy.{k} must be a port number 1..65535, not {v!r}")
         ports[k] = v
-    mode = d.get("mode", "xdp")
-    if mode not in ("xdp", "userspace"):
-        raise bad(f"deploy.mode must be xdp or userspace, not {mode!r}")
+    mode = d.get("mode", DpuMode.XDP.value)
+    if mode not in DPU_MODES:
+        raise bad(f"deploy.mode must be {' or '.join(DPU_MODES)}, not {mode!r}")
     opts = d.get("ssh_options", DEFAULT_SSH_OPTIONS)
     if not isinstance(opts, list) or not all(isinstance(o, str) for o in opts):
         raise bad("deploy.ssh_options must be a list of strings")

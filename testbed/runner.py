@@ -135,7 +135,7 @@ def torchrun_argv(argv: list[str], *, nnodes: int, rdzv_endpoint: str, rdzv_id: 
         argv = argv[1:]
     exe = Path(sys.executable).with_name("torchrun")
     head = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    return head + [f"--nnodes={nnodes}", "--nproc-per-node=1", "--max-restarts=0",
+    return head + [f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}", "--max-restarts=0",
                    "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}",
                    f"--rdzv-conf=is_host={int(is_host)}", f"--local-addr={local_addr}", *argv]
 

@@ -11,9 +11,10 @@ import sys
 from dataclasses import dataclass, field
 
 from dosa import wire
+from dosa.net import DEFAULT_CONTROL_PORT
 
 #: TCP port of the control plane's join API on every DPU (DOSA_CONTROL_PORT).
-CONTROL_PORT = 17800
+CONTROL_PORT = DEFAULT_CONTROL_PORT
 DATA_PORT = wire.DEFAULT_PORT  # UDP port of the dosa protocol (DOSA_PORT)
 
 

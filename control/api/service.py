@@ -7,7 +7,8 @@ import threading
 
 from dosa import wire
 from dosa.errors import DosaError
-from dosa.job import JobConfig
+from dosa.job import DpuMode, JobConfig
+from dosa.net import DEFAULT_CONTROL_PORT
 
 from ..alloc import AdmissionError
 from . import authority, lifecycle
@@ -17,7 +18,6 @@ from .persistence import load_jobs, save_jobs
 from .rendezvous import assign_rank, wait_complete
 from .validation import ApiError, bad, check_same_shape, parse_hosts, parse_job, req_addr, req_int, req_wait
 
-DEFAULT_CONTROL_PORT = 17800
 
 
 class ControlService:
@@ -230,7 +230,7 @@ class ControlService:
 
     def stats(self) -> dict:
         if self.controller is None:
-            return {"mode": "userspace", "jobs": self.list_jobs()["jobs"]}
+            return {"mode": DpuMode.USERSPACE.value, "jobs": self.list_jobs()["jobs"]}
         return self.controller.stats()
 
     # ------------------------------------------------------------------------ this DPU's dataplane

@@ -9,7 +9,7 @@ import socket
 
 from dosa import wire
 from dosa.errors import DosaError
-from dosa.job import DEFAULT_DENSITY, DEFAULT_SCALE_EXP, DEFAULT_SLOTS, MAX_SLOTS, RESULT_MODES, JobConfig
+from dosa.job import DEFAULT_DENSITY, DEFAULT_SCALE_EXP, DEFAULT_SLOTS, MAX_SLOTS, RESULT_MODES, JobConfig, ResultMode
 
 
 
@@ -68,7 +68,7 @@ def parse_job(req: dict, default_address: str, default_port: int, port_field: st
     mtu = req_int(req, "mtu", wire.MIN_MTU, wire.MAX_MTU, wire.DEFAULT_MTU)
     scale = req_int(req, "scale_exp", wire.SCALE_EXP_MIN, wire.SCALE_EXP_MAX, DEFAULT_SCALE_EXP)
     port = req_int(req, port_field, 1, 65535, default_port)  # the job's UDP port on the DPUs
-    mode = req.get("mode", "sum")
+    mode = req.get("mode", ResultMode.SUM.value)
     if mode not in RESULT_MODES:
         raise bad(f"mode must be 'sum' or 'gtopk', got {mode!r}")
     density = req.get("density", DEFAULT_DENSITY)

@@ -15,8 +15,8 @@ import pytest
 import torch  # noqa: F401  (a required dependency: missing = an error, not a skip)
 import sklearn  # noqa: F401
 
-from dosa.demo import DemoConfig, LoopbackCluster, run_demo, free_port  # noqa: E402
-from dosa.demo.clusters import rank_base_env  # noqa: E402
+from dosa.app.demo import DemoConfig, LoopbackCluster, run_demo, free_port  # noqa: E402
+from dosa.app.demo.clusters import rank_base_env  # noqa: E402
 from testbed.runner import run_ranks  # noqa: E402
 from dosa.errors import DosaError  # noqa: E402
 

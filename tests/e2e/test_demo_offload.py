@@ -17,7 +17,7 @@ import pytest
 import torch  # noqa: F401  (a required dependency: missing = an error, not a skip)
 import sklearn  # noqa: F401
 
-from dosa.demo import DemoConfig, run_demo  # noqa: E402
+from dosa.app.demo import DemoConfig, run_demo  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

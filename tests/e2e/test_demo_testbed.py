@@ -11,7 +11,7 @@ import pytest
 import torch  # noqa: F401  (a required dependency: missing = an error, not a skip)
 import sklearn  # noqa: F401
 
-from dosa.demo import DemoConfig, run_demo  # noqa: E402
+from dosa.app.demo import DemoConfig, run_demo  # noqa: E402
 
 
 def _namespaces(prefix: str) -> list[str]:

@@ -20,7 +20,7 @@ import torch  # noqa: F401  (a required dependency: missing = an error, not a sk
 def test_bench_cli_loopback_schema_and_sums(tmp_path, capsys):
     """`dosa bench allreduce` without the dosa paths: 3 Gloo processes on loopback, 10k entries;
     JSON/PNG written, the table printed, every method checked against the reference sum."""
-    from dosa.cli import main
+    from dosa.app.cli import main
 
     rc = main(["bench", "allreduce", "--paths", "", "--hosts", "3", "--numel", "10000", "--density",
                "0.02", "--rounds", "2", "--warmup", "1", "--packet-rate-seconds", "0", "--timeout", "80",
@@ -84,7 +84,7 @@ def test_baselines_in_testbed_namespaces():
 def test_bench_cli_with_dosa_xdp(tmp_path, capsys):
     """The joined command: dosa's XDP path (benchmarks.allreduce.dosa_paths, its own testbed) beside the baselines on a
     shaped testbed; every method's result verified, ratios to dosa_xdp present."""
-    from dosa.cli import main
+    from dosa.app.cli import main
 
     rc = main(["bench", "allreduce", "--paths", "xdp", "--hosts", "2", "--numel", "20000",
                "--rounds", "2", "--warmup", "1", "--link-rate", "1gbit", "--testbed",

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from dosa import wire
-from dosa.demo import free_port
+from dosa.app.demo import free_port
 from dosa.job import JobConfig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from scapy.utils import PcapNgWriter, RawPcapWriter, wrpcap
 
 from dosa import wire
 from dosa.capture import read_capture, summarize, verify
-from dosa.cli import main as dosa_main
+from dosa.app.cli import main as dosa_main
 from dosa.errors import DosaError
 from dosa.wire import DPU_SENDER_ID, Flags, Header, PacketType, PartitionMap
 

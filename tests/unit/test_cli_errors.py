@@ -1,10 +1,10 @@
-"""Bad input on the command line is one sentence, never a traceback (dosa.cli._Parser,
+"""Bad input on the command line is one sentence, never a traceback (dosa.app.cli._Parser,
 dosa.net.parse_hostport)."""
 from __future__ import annotations
 
 import pytest
 
-from dosa.cli import main
+from dosa.app.cli import main
 from dosa.net import parse_hostport
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,3 +56,25 @@ def test_ctl_serve_refuses_to_start_without_a_usable_secret_in_one_sentence(extr
     rc = main(["ctl", "serve", "--addr", "127.0.0.1", "--mode", "userspace", *extra])
     err = capsys.readouterr().err
     assert rc == 2 and says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_a_protocol_error_is_a_dosaerror_and_the_cli_says_it_in_one_sentence(monkeypatch, capsys):
+    """dosa.wire's ProtocolError (a malformed packet) reaches the user as the sentence of the rule
+    it breaks, exit status 2, no traceback; it is still a ValueError for the callers that catch
+    bad input as one."""
+    from dosa import wire
+    from dosa.app import capture_cli
+    from dosa.errors import DosaError
+
+    assert issubclass(wire.ProtocolError, DosaError) and issubclass(wire.BadMagic, ValueError)
+    bad = wire.Header(magic=0x12345678).pack()
+    with pytest.raises(wire.BadMagic) as e:
+        wire.parse_packet(bad)
+
+    def read_capture(path, port=None):
+        wire.parse_packet(bad)
+
+    monkeypatch.setattr(capture_cli, "read_capture", read_capture)
+    assert main(["capture", "show", "any.pcap"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"dosa: {e.value}\n" and "bad magic 0x12345678" in err and "Traceback" not in err

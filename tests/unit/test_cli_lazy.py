@@ -1,4 +1,4 @@
-"""The `dosa` command imports only what the command being run needs (dosa.cli.COMMANDS), lists a
+"""The `dosa` command imports only what the command being run needs (dosa.app.cli.COMMANDS), lists a
 command it cannot import in --help with why, and a missing library or package is one sentence.
 tests/netns/test_no_bpf_no_root.py runs the commands on a machine without libbpf and without root."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dosa import cli
+from dosa.app import cli
 from dosa.errors import DosaError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ HEAVY = ["control.cli", "testbed.cli", "benchmarks.cli", "dpu_fw.offload_cli", "
 
 
 def test_a_command_imports_only_its_own_module(tmp_path):
-    code = (f"import json, sys\nfrom dosa.cli import main\nrc = main(['capture', 'dissector'])\n"
+    code = (f"import json, sys\nfrom dosa.app.cli import main\nrc = main(['capture', 'dissector'])\n"
             f"print(json.dumps([rc, [m for m in {HEAVY!r} if m in sys.modules]]))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        cwd=REPO, env=dict(os.environ, HOME=str(tmp_path)))

@@ -151,7 +151,7 @@ def test_bad_inventory_through_the_cli_is_one_line_without_traceback(tmp_path):
 def test_dpu_service_command_lines_are_accepted_by_the_dosa_cli():
     """The flags testbed/services.py passes must exist in `dosa ctl serve` / `dosa dpu run`:
     parsed by the real CLI parser (nothing is started), so a renamed flag fails here, not in `up`."""
-    from dosa.cli import build_parser
+    from dosa.app.cli import build_parser
     from testbed.services import DpuContext, dpu_services
 
     parser = build_parser()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dosa import wire
-from dosa.cli import main as dosa_main
+from dosa.app.cli import main as dosa_main
 from dosa.wire import Flags, PacketType, PartitionMap
 from host_lib.compress import select_topk
 from host_lib.encoder import RoundEncoder

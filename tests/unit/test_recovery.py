@@ -64,7 +64,7 @@ def test_a_lost_data_packet_is_nacked_by_the_dpu_and_the_sum_stays_exact(monkeyp
 
     def lossy(self, batch, upto):  # host 1 loses the first packet of partition 0, once
         orig(self, batch, upto)
-        if self.c.worker_id == 1 and not dropped and len(batch):
+        if self.ctx.worker_id == 1 and not dropped and len(batch):
             hdr = batch.headers()
             first = np.flatnonzero(hdr["partition"] == 0)
             if len(first) and hdr["total"][first[0]] > 1:

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist  # noqa: E402
 
 from host_lib import hook_codec  # noqa: E402
-from host_lib.torch_hook import DosaHookState, DosaUnavailableWarning, carry_over, dosa_hook  # noqa: E402
+from host_lib.hook_encoders import carry_over  # noqa: E402
+from host_lib.torch_hook import DosaHookState, DosaUnavailableWarning, dosa_hook  # noqa: E402
 
 
 
@@ -81,7 +82,7 @@ def one_rank_job(tmp_path):
     """A single-worker job served by a userspace DPU worker subprocess on loopback, and a
     world-of-one Gloo process group in this process; both are torn down afterwards, also when
     setting up either fails."""
-    from dosa.demo import free_port
+    from dosa.app.demo import free_port
     from dosa.job import JobConfig
     from userspace_dpus import userspace_dpu_workers
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dosa.demo import free_port
+from dosa.app.demo import free_port
 from dosa.job import JobConfig
 from userspace_dpus import userspace_dpu_workers
 

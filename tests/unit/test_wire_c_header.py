@@ -124,9 +124,95 @@ def test_header_field_list_is_complete():
     assert c_fields == [n for n, _, _ in wire.HEADER_FIELDS]
 
 
-def test_checked_in_header_is_the_generated_one():
+def test_checked_in_header_and_pxd_are_the_generated_ones():
     assert HEADER.read_text() == wire.c_header(), "run: python -m dosa.gen_headers"
+    assert HEADER.with_suffix(".pxd").read_text() == wire.c_pxd(), "run: python -m dosa.gen_headers"
     assert gen_headers.main(["--check"]) == 0
+
+
+def test_the_pxd_declares_every_accessor_and_constant_of_the_header():
+    """The Cython declarations (dosa_wire.pxd) name exactly the header's accessors, and every
+    constant and enum member the header defines, so no compiled module declares one by hand."""
+    text, pxd = HEADER.read_text(), HEADER.with_suffix(".pxd").read_text()
+    c_funcs = set(re.findall(r"static __always_inline \w+ (dosa_(?:hdr|sparse|dense|retx|status|put)_\w+)\(",
+                             text))
+    pxd_funcs = set(re.findall(r"^    \w+ (dosa_\w+)\(", pxd, re.M))
+    c_funcs -= {"dosa_put_be16", "dosa_put_be32"}  # the accessors' own byte order, for no caller
+    assert c_funcs and c_funcs <= pxd_funcs
+    defines, enums = _c_names()
+    counters_ = re.findall(r"^\t(DOSA_C_\w+) =", text, re.M)
+    declared = set(re.findall(r"^        (DOSA_\w+)$", pxd, re.M)) | set(re.findall(r"uint32_t (DOSA_\w+)$", pxd, re.M))
+    assert set(defines) - {"DOSA_VALUE_OFFSET"} | set(enums) | set(counters_) <= declared
+
+
+def _packets(seed: int) -> list[bytes]:
+    """Valid packets of every type with entries, odd and even counts, built by wire.build_packet."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in wire.PacketType:
+        for count in (0, 1, 2, 7, wire.MAX_ENTRIES[t]):
+            if not wire.PAYLOAD_BLOCKS[t] and count:
+                continue
+            seq_total = (0, 1) if t in wire.SEQUENCED_TYPES else (0, 0)
+            base = int(rng.integers(0, wire.MAX_SPARSE_BASE)) if t in wire.SPARSE_TYPES else 0
+            h = wire.Header(type=t, job_id=int(rng.integers(1, 2**32)), worker_id=int(rng.integers(0, 64)),
+                            partition=int(rng.integers(0, 65535)), round=int(rng.integers(0, 2**32)),
+                            seq=seq_total[0], total=seq_total[1], flags=int(wire.Flags.LAST) if seq_total[1] else 0,
+                            scale_exp=int(rng.integers(-32, 63)), base=base)
+            if t in wire.SPARSE_TYPES:
+                idx = np.sort(rng.choice(65536, count, replace=False)) + base
+                e = np.stack([idx, rng.integers(-2**31, 2**31, count)], 1)
+            else:
+                e = rng.integers(-2**31 if t in (wire.PacketType.DENSE_DATA, wire.PacketType.DENSE_RESULT)
+                                 else 0, 2**31, count)
+            out.append(wire.build_packet(h, e))
+    return out
+
+
+def test_generated_accessors_read_what_parse_packet_reads(tmp_path):
+    """Every header field and entry of packets of every type, read in C through the generated
+    accessors (gcc), equals what wire.parse_packet reads; and the writers rebuild the same bytes."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc, "gcc is required to check dosa/dosa_wire.h (apt-get install gcc)"
+    fields = [n for n, _, _ in wire.HEADER_FIELDS]
+    prints = " ".join(f'printf("%lld ", (long long)dosa_hdr_{n}(b));' for n in fields)
+    src, exe = tmp_path / "acc.c", tmp_path / "acc"
+    src.write_text("\n".join([
+        "#include <stdio.h>", "#include <string.h>", f'#include "{HEADER}"',
+        "int main(void) { unsigned char b[4096], w[4096]; unsigned int len, c, j, t;",
+        "  while (fread(&len, 4, 1, stdin) == 1 && fread(b, 1, len, stdin) == len) {",
+        f"    {prints}",
+        "    c = dosa_hdr_count(b); t = dosa_hdr_type(b); memcpy(w, b, 32); memset(w + 32, 0xAA, len - 32);",
+        "    if (dosa_sparse(t)) dosa_put_sparse_pad(w, c);",
+        "    for (j = 0; j < c; j++) {",
+        "      if (dosa_sparse(t)) { printf(\"%u:%d \", dosa_hdr_base(b) + dosa_sparse_offset(b, c, j), dosa_sparse_value(b, c, j));",
+        "        dosa_put_sparse_offset(w, c, j, dosa_sparse_offset(b, c, j)); dosa_put_sparse_value(w, c, j, dosa_sparse_value(b, c, j)); }",
+        "      else if (dosa_dense(t)) { printf(\"%d \", dosa_dense_value(b, c, j)); dosa_put_dense_value(w, c, j, dosa_dense_value(b, c, j)); }",
+        "      else if (t == DOSA_T_RETX_REQUEST) { printf(\"%u \", dosa_retx_seq(b, c, j)); dosa_put_retx_seq(w, c, j, dosa_retx_seq(b, c, j)); }",
+        "      else { printf(\"%u \", dosa_status_worker_id(b, c, j)); dosa_put_status_worker_id(w, c, j, dosa_status_worker_id(b, c, j)); }",
+        "    }",
+        "    printf(\"| %d\\n\", memcmp(w, b, len) == 0);",
+        "  }",
+        "  return 0; }"]) + "\n")
+    r = subprocess.run([cc, "-std=gnu11", "-O1", "-Wall", "-Wextra", "-Werror", "-o", str(exe), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    pkts = _packets(seed=5)
+    blob = b"".join(np.uint32(len(p)).tobytes() + p for p in pkts)
+    out = subprocess.run([str(exe)], input=blob, capture_output=True, check=True).stdout.decode().splitlines()
+    assert len(out) == len(pkts) > 30
+    for p, line in zip(pkts, out):
+        h, e = wire.parse_packet(p)
+        head, rest = line.split(" | ")
+        got = head.split()
+        assert [int(x) for x in got[:len(fields)]] == [getattr(h, n) for n in fields]
+        entries = got[len(fields):]
+        if h.type in wire.SPARSE_TYPES:
+            want = [f"{int(i)}:{int(v)}" for i, v in zip(e["index"], e["value"])]
+        else:
+            want = [str(int(v)) for v in e]
+        assert entries == want, wire.PacketType(h.type).name
+        assert rest == "1", f"the writers did not rebuild the {wire.PacketType(h.type).name} packet"
 
 
 def test_every_rule_reason_is_a_dataplane_counter():

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from dosa.demo import stop_processes
+from dosa.app.demo import stop_processes
 from dosa.job import JobConfig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
 """``dosa demo --offload``: augmentation and validation on the DPUs against the same training on the
-hosts (one launch of dosa.demo.offload_rank on the demo's cluster), and its summary."""
+hosts (one launch of dosa.app.demo.offload_rank on the demo's cluster), and its summary."""
 from __future__ import annotations
 
 import json
@@ -40,7 +40,7 @@ def write_shards(dataset: str, hosts: int, seed: int, directory: Path) -> str:
 def run_offload_comparison(cluster, cfg: DemoConfig, workdir: Path,
                            echo: Callable[[str], None]) -> dict:
     """Start the offload services on every DPU, train ``host`` then ``offload`` in one launch of
-    dosa.demo.offload_rank, stop the services; return summarize_offload(...) plus where things ran."""
+    dosa.app.demo.offload_rank, stop the services; return summarize_offload(...) plus where things ran."""
     import contextlib
 
     shard_spec = write_shards(cfg.offload_dataset, cfg.hosts, cfg.seed, workdir / "offload-data")
@@ -48,7 +48,7 @@ def run_offload_comparison(cluster, cfg: DemoConfig, workdir: Path,
     per_dpu = [[s for r, s in enumerate(specs) if r % cfg.dpus == j] for j in range(cfg.dpus)]
     host_cpus, dpu_cpus = cluster.cpu_sets()
     json_tmpl = str(workdir / "offload-rank{rank}.json")
-    argv = [sys.executable, "-m", "dosa.demo.offload_rank", "--shard-spec", shard_spec,
+    argv = [sys.executable, "-m", "dosa.app.demo.offload_rank", "--shard-spec", shard_spec,
             "--epochs", str(cfg.offload_epochs), "--batch-size", str(cfg.offload_batch_size),
             "--hidden", str(cfg.hidden), "--seed", str(cfg.seed), "--json", json_tmpl]
     with contextlib.ExitStack() as stack:

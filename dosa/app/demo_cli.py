@@ -1,9 +1,10 @@
-"""``dosa demo``: see dosa/demo/ (its __init__ says what runs)."""
+"""``dosa demo``: see dosa/app/demo/ (its __init__ says what runs)."""
 from __future__ import annotations
 
 import json
 
-from dosa.demo import BACKENDS, DemoConfig
+from dosa.app.demo import BACKENDS, DemoConfig
+from dosa.job import RESULT_MODES, ResultMode
 
 
 def register(sub) -> None:
@@ -14,7 +15,7 @@ def register(sub) -> None:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8, help="per host")
     p.add_argument("--warmup-steps", type=int, default=0, help="dense steps before dosa takes over")
-    p.add_argument("--mode", choices=("sum", "gtopk"), default="sum",
+    p.add_argument("--mode", choices=RESULT_MODES, default=ResultMode.SUM.value,
                    help="DPU result mode: exact sums (default) or only the k largest per partition")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/demo", help="directory for demo.json and loss.png")
@@ -41,7 +42,7 @@ def cmd_demo(args) -> int:
     import sklearn  # noqa: F401  the ranks train on its digits: missing, the demo says so before starting
     import torch  # noqa: F401
 
-    from dosa.demo import format_report, run_demo
+    from dosa.app.demo import format_report, run_demo
 
     cfg = DemoConfig(hosts=args.hosts, dpus=args.dpus, density=args.density, epochs=args.epochs,
                      batch_size=args.batch_size, warmup_steps=args.warmup_steps, seed=args.seed,

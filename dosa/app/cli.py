@@ -1,9 +1,9 @@
 """The ``dosa`` command. Each component owns its subcommands in its own ``cli`` module, which
 exposes ``register(subparsers)`` (top-level commands) and/or ``register_bench(bench_subparsers)``
 (``dosa bench ...``); only the running command's module is imported (``COMMANDS``), so a machine
-without the DPU side's libraries runs every command that does not need them. Handlers are ``args.func(args) -> int``. A DosaError (or a ProtocolError /
-ValueError raised on bad user input) becomes one line on stderr and exit status 2, and so does a bad
-argument (``_Parser.error``: the sentence and a pointer to ``--help``, not the whole usage). Output
+without the DPU side's libraries runs every command that does not need them. Handlers are
+``args.func(args) -> int``. A DosaError (dosa.wire's ProtocolError, a malformed packet, is one)
+becomes one line on stderr and exit status 2, and so does a bad argument (``_Parser.error``: the sentence and a pointer to ``--help``, not the whole usage). Output
 into a closed pipe (``dosa capture show F | head``) ends quietly with status 141, as for SIGPIPE."""
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ from dosa.errors import DosaError
 #: a training host or a DPU in userspace mode has no libbpf, BCC or pyroute2); ``dosa --help``
 #: imports them all, and lists one it cannot import with the reason instead of failing.
 COMMANDS = {
-    "capture": "dosa.capture_cli",
+    "capture": "dosa.app.capture_cli",
     "ctl": "control.cli",
     "testbed": "testbed.cli",
     "deploy": "testbed.cli",
     "dpu": "dpu_fw.cli",
     "offload": "dpu_fw.offload_cli",
     "bench": "benchmarks.cli",
-    "demo": "dosa.demo_cli",
+    "demo": "dosa.app.demo_cli",
 }
 COMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))
 

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Callable
 
 from dosa.errors import DosaError
+from dosa.job import DpuMode
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def free_port(kind: int = socket.SOCK_DGRAM) -> int:
@@ -154,7 +155,7 @@ class LoopbackCluster:
             pid_file.unlink(missing_ok=True)
             log = open(self.workdir / f"dpu{j}.log", "wb")
             self.workers.append(subprocess.Popen(
-                [sys.executable, "-m", "dosa", "dpu", "run", "--mode", "userspace",
+                [sys.executable, "-m", "dosa", "dpu", "run", "--mode", DpuMode.USERSPACE.value,
                  "--job-config", str(self.job_path), "--dpu-index", str(j),
                  "--addr", self.job.dpus[j][0], "--port", str(self.job.dpus[j][1]),
                  "--pid-file", str(pid_file)],

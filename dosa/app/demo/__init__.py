@@ -14,7 +14,7 @@ Both runs happen in ONE launch of ``examples.train_digits --comm dosa,dense`` (t
 per rank; same data split, same seed, same initial weights). Everything started is stopped in a
 ``finally`` (also on Ctrl-C): DPU workers, ranks, the testbed.
 
-``--offload`` adds a second launch (``dosa.demo.offload_rank``) on the same cluster: the augmentation and
+``--offload`` adds a second launch (``dosa.app.demo.offload_rank``) on the same cluster: the augmentation and
 validation services (dpu_fw/offload) run on every DPU -- inside its namespace on the testbed, on
 127.0.0.1 on loopback -- pinned to the DPU half of the CPUs (the testbed comes up with
 ``--cpu-split``; on loopback the ranks are pinned to the host half the same way). Every rank trains

@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass, field
 
 from dosa.errors import DosaError
-from dosa.job import RESULT_MODES
+from dosa.job import RESULT_MODES, ResultMode
 
 BACKENDS = ("auto", "testbed", "loopback")
 TARGET_POINTS = 1.0  #: dosa's accuracy must be within this many points of dense
@@ -72,7 +72,7 @@ class DemoConfig:
                 "--batch-size", str(self.batch_size), "--warmup-steps", str(self.warmup_steps),
                 "--hidden", str(self.hidden), "--seed", str(self.seed), "--json", json_path,
                 *(["--partition-size", str(self.partition_size)] if self.dpus > 1 else []),
-                *(["--mode", self.mode] if self.mode != "sum" else []),
+                *(["--mode", self.mode] if self.mode != ResultMode.SUM else []),
                 *self.extra_train_args]
 
     @property
