@@ -20,7 +20,9 @@ def extensions():
             rel = pyx.relative_to(ROOT).with_suffix("")
             exts.append(Extension(
                 ".".join(rel.parts), [str(pyx.relative_to(ROOT))],
-                include_dirs=[numpy.get_include(), str(ROOT / "dosa")],  # dosa_wire.h: the wire's C header
+                # the generated C views: dosa/dosa_wire.h (the wire), dataplane/dosa_state.h and
+                # dosa_layout.h (the DPU state the XDP program and the DPU worker share)
+                include_dirs=[numpy.get_include(), str(ROOT / "dosa"), str(ROOT / "dataplane")],
                 extra_compile_args=["-O3"],
                 define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
             ))

@@ -1,9 +1,9 @@
 """``dosa bench bigjob``: one job far larger than the DPU's aggregation pool, on a testbed with the
 default DPU memory, every round checked against the exact sum.
 
-The DPU's memory for a job is its aggregation slots (docs/dataplane.md, *Slots*): ``slots x 2 x
-partition_size`` s64 entries, whatever numel. This brings up a testbed (``testbed.Testbed``, XDP
-mode, default ``dosa ctl serve`` pool of 4M entries = 32 MiB), runs ``--rounds`` allreduce rounds of
+The DPU's memory for a job is its aggregation slots (docs/dataplane.md, *Slots*): ``slots x 2``
+buffers of 288 KiB, whatever numel. This brings up a testbed (``testbed.Testbed``, XDP mode,
+default ``dosa ctl serve`` pool of 512 buffers = 144 MiB), runs ``--rounds`` allreduce rounds of
 a ``--numel`` job (default 110M entries, BERT-base) through the control plane's join, and on every
 host compares every round's result with the exact int64 sum of what every host sent (each host
 derives every host's entries from (seed, round, rank)). While the hosts run, the dataplane's job
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dataplane.layout import BUF_DTYPE
 from dosa.errors import DosaError
 from dosa.progress import progress
 
@@ -126,11 +127,11 @@ class _JobWatch(threading.Thread):
                         self.seen[j.job_id] = {
                             "numel": j.numel, "partition_size": j.partition_size,
                             "num_partitions": j.num_partitions, "num_owned": j.num_owned,
-                            "slots": j.slots, "pool_entries": j.pool_len,
-                            "pool_bytes": j.pool_len * 8, "pstate_entries": j.pstate_len,
-                            "wstate_entries": j.wstate_len,
-                            "state_bytes": j.pstate_len * 40 + j.wstate_len * 48,
-                            "per_partition_layout_pool_entries": j.num_owned * 2 * j.stride}
+                            "slots": j.slots, "pool_buffers": j.pool_len,
+                            "pool_bytes": j.pool_len * BUF_DTYPE.itemsize,
+                            "pstate_entries": j.pstate_len, "wstate_entries": j.wstate_len,
+                            "state_bytes": j.pstate_len * 56 + j.wstate_len * 48,
+                            "per_partition_layout_pool_buffers": j.num_owned * 2}
                     self.stop.wait(0.2)
         except DosaError as e:
             self.error = str(e)
@@ -160,13 +161,13 @@ def _run_job(tb, numel: int, args, out: Path) -> dict:
             "slots": ranks[0]["slots"], "num_partitions": ranks[0]["num_partitions"]}
 
 
-def _services(pool_entries: int):
-    """The testbed's DPU services with a pool of ``pool_entries`` (a comparison only: the point
+def _services(pool_buffers: int):
+    """The testbed's DPU services with a pool of ``pool_buffers`` (a comparison only: the point
     of this benchmark is the default)."""
     from testbed.services import ServiceSpec, dpu_services
 
     def fn(ctx):
-        return [ServiceSpec(s.name, [*s.argv, "--pool-slots", str(pool_entries)], s.ready, s.env)
+        return [ServiceSpec(s.name, [*s.argv, "--pool-buffers", str(pool_buffers)], s.ready, s.env)
                 if s.name == "ctl" else s for s in dpu_services(ctx)]
 
     return fn
@@ -177,7 +178,7 @@ def run(args) -> dict:
 
     if os.geteuid() != 0:
         raise DosaError("dosa bench bigjob needs root (it brings up a testbed)")
-    kw = {} if not args.pool_entries else {"services": _services(args.pool_entries)}
+    kw = {} if not args.pool_buffers else {"services": _services(args.pool_buffers)}
     tb = Testbed(prefix=f"bj{uuid.uuid4().hex[:5]}", subnet="10.231.98.0/24",
                  state_dir=tempfile.mkdtemp(prefix="dosa-bigjob-state-"), **kw)
     out = Path(tempfile.mkdtemp(prefix="dosa-bigjob-"))
@@ -208,8 +209,8 @@ def run(args) -> dict:
     by_numel = {v["numel"]: v for v in watch.seen.values()}
     doc = {"config": {"hosts": args.hosts, "dpus": 1, "numel": args.numel, "density": args.density,
                       "rounds": args.rounds, "slots": args.slots, "small_numel": args.small_numel,
-                      "dpu_memory": f"pool of {args.pool_entries} entries" if args.pool_entries
-                      else "testbed default (dosa ctl serve --pool-slots default)"},
+                      "dpu_memory": f"pool of {args.pool_buffers} buffers" if args.pool_buffers
+                      else "testbed default (dosa ctl serve --pool-buffers default)"},
            "pool_capacity": watch.capacity, "big": big, "small": small,
            "big_job_in_dataplane": by_numel.get(args.numel),
            "small_job_in_dataplane": by_numel.get(args.small_numel)}
@@ -229,13 +230,15 @@ def format_table(doc: dict) -> str:
              f"  host CPU per round      {big['host_cpu_s_per_round']} s",
              f"  partitions / slots      {big['num_partitions']} partitions through {big['slots']} slots"]
     if cap:
-        lines.append(f"  DPU pool                {cap['pool']:,} s64 entries = {cap['pool'] * 8 / 2**20:.0f} MiB")
+        lines.append(f"  DPU pool                {cap['pool']:,} buffers = "
+                     f"{cap['pool'] * BUF_DTYPE.itemsize / 2**20:.0f} MiB")
     if dj:
-        lines += [f"  job's DPU memory        {dj['pool_entries']:,} pool entries = "
+        per_part = dj["per_partition_layout_pool_buffers"]
+        lines += [f"  job's DPU memory        {dj['pool_buffers']:,} pool buffers = "
                   f"{dj['pool_bytes'] / 2**20:.1f} MiB (+ {dj['state_bytes'] / 1024:.1f} KiB slot/worker state)",
-                  f"  one pair per partition  {dj['per_partition_layout_pool_entries']:,} entries = "
-                  f"{dj['per_partition_layout_pool_entries'] * 8 / 2**20:.0f} MiB"
-                  + (" (would not fit)" if cap and dj['per_partition_layout_pool_entries'] > cap['pool'] else "")]
+                  f"  one pair per partition  {per_part:,} buffers = "
+                  f"{per_part * BUF_DTYPE.itemsize / 2**20:.0f} MiB"
+                  + (" (would not fit)" if cap and per_part > cap['pool'] else "")]
     s = doc.get("small")
     if s:
         lines.append(f"  small job ({s['numel']:,})    median {s['median_round_s'] * 1e3:.0f} ms, "
@@ -254,8 +257,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--slots", type=int, default=DEFAULT_SLOTS, help="aggregation slots of the job")
-    p.add_argument("--pool-entries", type=int, default=0,
-                   help="DPU pool size in s64 entries (default 0: the testbed's default; for comparisons)")
+    p.add_argument("--pool-buffers", type=int, default=0,
+                   help="DPU pool size in buffers of 288 KiB (default 0: the testbed's default; for comparisons)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", metavar="FILE")
 

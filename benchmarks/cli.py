@@ -18,6 +18,9 @@ def register_bench(bench_sub) -> None:
     _register_dataplane(bench_sub)
     _register_allreduce(bench_sub)
     _register_offload(bench_sub)
+    _register_module(bench_sub, "dpu",
+                     "the DPU side alone on one core: XDP merge, completion path, settle, userspace "
+                     "merge, ns per entry (root)")
     _register_module(bench_sub, "bigjob",
                      "a 110M-entry job on the testbed's default DPU memory, every round exact (root)")
     _register_module(bench_sub, "recovery",

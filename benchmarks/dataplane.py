@@ -10,8 +10,7 @@ numpy reference (a corrupt sum is counted, never hidden), advance. Lost packets 
 dedup bitmap makes that safe) and counted.
 
 Reported: offered packet rate and bit rate, fraction of offered packets merged on their first
-transmission, XDP merged entries/s, and entries/s of ``np.add.at`` and of the Cython scatter-add
-(dpu_fw._merge.scatter_add) over the same entries.
+transmission, XDP merged entries/s, and entries/s of ``np.add.at`` over the same entries.
 """
 from __future__ import annotations
 
@@ -103,8 +102,8 @@ def _make_round(rng, pmap, workers: int, density: float):
 
 
 def _baselines(entries, numel: int, ref: np.ndarray, repeat: int = 3) -> dict:
-    """Entries/s of np.add.at and of the Cython scatter-add over the same entries (best of
-    ``repeat``), each checked against the reference."""
+    """Entries/s of np.add.at over the same entries (best of ``repeat``), checked against the
+    reference (the DPU worker's own userspace merge is measured by ``dosa bench dpu``)."""
     idx = np.concatenate([e[0] for e in entries])
     val = np.concatenate([e[1] for e in entries])
     out = {"entries": int(len(idx))}
@@ -115,25 +114,12 @@ def _baselines(entries, numel: int, ref: np.ndarray, repeat: int = 3) -> dict:
         np.add.at(buf, idx.astype(np.intp), val)
         best = min(best, time.perf_counter() - t)
     out["numpy_add_at"] = {"entries_per_s": len(idx) / best, "exact": bool(np.array_equal(buf, ref))}
-    try:
-        from dpu_fw._merge import scatter_add
-    except ImportError:
-        out["cython_scatter_add"] = None
-        return out
-    best = float("inf")
-    for _ in range(repeat):
-        buf = np.zeros(numel, np.int64)
-        t = time.perf_counter()
-        scatter_add(buf, idx, val, 0)
-        best = min(best, time.perf_counter() - t)
-    out["cython_scatter_add"] = {"entries_per_s": len(idx) / best, "exact": bool(np.array_equal(buf, ref))}
     return out
 
 
 def run(workers: int = 8, numel: int = 1 << 22, density: float = 0.05, rounds: int = 8,
         partition_size: int = wire.DEFAULT_PARTITION_SIZE, senders: int = 2, seed: int = 0,
         xdp_mode: str = "native", qdisc: bool = True, link_baseline: bool = True, log=print) -> dict:
-    from control.alloc import pool_entries
     from control.controller import Controller
     from control.netns import run_in_netns
     from dataplane import loader
@@ -158,9 +144,9 @@ def run(workers: int = 8, numel: int = 1 << 22, density: float = 0.05, rounds: i
     ctl = Controller(inst)
     eps = []
     try:
-        slots = pool_entries(pmap.num_partitions, min(partition_size, numel))  # sums + lists
         ctl.attach("eth0", netns=lab.d, mode=xdp_mode,
-                   config=LoadConfig(pool_slots=slots, pstate_slots=max(64, pmap.num_partitions),
+                   config=LoadConfig(pool_buffers=2 * pmap.num_partitions,
+                                     pstate_slots=max(64, pmap.num_partitions),
                                      wstate_slots=max(1024, 2 * pmap.num_partitions * workers)))
         # whole rounds are offered at once (the merge rate is measured, not a host's window), so
         # every partition gets its own aggregation slot (docs/dataplane.md, *Slots*)
@@ -257,7 +243,7 @@ def run(workers: int = 8, numel: int = 1 << 22, density: float = 0.05, rounds: i
     ratios = {}
     if link:
         ratios["xdp_merge_pps_over_xdp_drop_pps"] = xdp["offered_pps"] / link["offered_pps"]
-    for k in ("numpy_add_at", "cython_scatter_add"):
+    for k in ("numpy_add_at",):
         if base.get(k):
             ratios[f"xdp_over_{k}"] = xdp["merged_entries_per_s"] / base[k]["entries_per_s"]
     res["ratios"] = ratios
@@ -342,8 +328,6 @@ def summary(res: dict) -> str:
              f"  merged (1st tx) {100 * x['merged_first_pass_fraction']:8.2f} %   resent {x['packets_resent']}",
              f"  XDP merge       {x['merged_entries_per_s'] / 1e6:8.2f} M entries/s",
              f"  np.add.at       {u['numpy_add_at']['entries_per_s'] / 1e6:8.2f} M entries/s"]
-    if u.get("cython_scatter_add"):
-        lines.append(f"  Cython scatter  {u['cython_scatter_add']['entries_per_s'] / 1e6:8.2f} M entries/s")
     t = res["xdp_program_time"]
     lines.insert(5, f"  XDP program alone (PROG_TEST_RUN) {t['ns_per_packet'] / 1e3:.2f} us/packet, "
                     f"{t['ns_per_entry']:.1f} ns/entry = {t['packets_per_s_per_core'] / 1e3:.0f} kpkt/s per core"

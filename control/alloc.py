@@ -1,9 +1,9 @@
 """Admission and first-fit allocation of job regions in the dataplane's fixed pools.
 
 A job's DPU memory is set by its aggregation *slots* (docs/dataplane.md, *Slots*), not by its
-size: ``slots x 2 x pitch`` pool entries (s64; a buffer's pitch is its ``stride`` sums plus its
-touched list, ``list_cap`` u16 offsets packed 4 an entry), ``slots`` slot states and
-``slots x 2 x workers`` worker states. Admission reasons in those units and tells two refusals apart: a job that can never
+size: ``slots x 2`` pool buffers (each 65536 s32 sums and a touched list, dataplane.layout.BUF_DTYPE),
+``slots`` slot states and ``slots x 2 x workers`` worker states. Admission reasons in those units
+and tells two refusals apart: a job that can never
 fit this dataplane (``AdmissionError.permanent``: even an empty pool is too small; the message
 says how many slots would fit) and one that fits once other jobs end (the message names them).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from dataplane.layout import buffer_pitch
+from dataplane.layout import BUF_DTYPE, touched_list_cap  # noqa: F401 (admission's list rule)
 from dosa.errors import DosaError
 
 
@@ -53,39 +53,20 @@ def first_fit(used: list[tuple[int, int]], size: int, capacity: int, what: str) 
     return off
 
 
-def touched_list_cap(stride: int) -> int:
-    """Touched-list capacity of a buffer of ``stride`` sums: a quarter of them, rounded down to a
-    multiple of 4 (4 u16 offsets fill one s64 pool entry), so a list costs stride / 16 entries
-    (6.25 % more pool). Up to 25 % density the DPU worker reads only the listed sums; above, the
-    list overflows and it scans the buffer, which then costs no more per non-zero than the list
-    would. 0 (no lists) for buffers under 16 sums."""
-    return (stride // 4) & ~3
-
-
-def pool_entries(slots: int, stride: int) -> int:
-    """Pool entries (s64) ``slots`` aggregation slots of ``stride``-sum buffers take with their
-    touched lists: what to size a pool for (LoadConfig.pool_slots) so a job gets its lists."""
-    return SlotDemand(0, slots, stride, 1, touched_list_cap(stride)).pool
-
-
 @dataclass(frozen=True)
 class SlotDemand:
     """What one job asks of one DPU's dataplane."""
 
     job_id: int
     slots: int  # aggregation slots on this DPU (its window of partitions in flight)
-    stride: int  # s64 sums per slot buffer: min(partition_size, numel)
+    stride: int  # sums used in each of its buffers: min(partition_size, numel)
     workers: int
     list_cap: int = 0  # u16 offsets in each buffer's touched list (touched_list_cap(stride))
 
     @property
-    def pitch(self) -> int:
-        """Pool entries per buffer: its sums, then its touched list packed 4 offsets an entry."""
-        return buffer_pitch(self.stride, self.list_cap)
-
-    @property
     def pool(self) -> int:
-        return self.slots * 2 * self.pitch
+        """Pool buffers: two (occupant parity) a slot."""
+        return self.slots * 2
 
     @property
     def pstate(self) -> int:
@@ -96,15 +77,15 @@ class SlotDemand:
         return self.slots * 2 * self.workers
 
     def per_slot(self, pool: str) -> int:
-        return {"pool": 2 * self.pitch, "pstate": 1, "wstate": 2 * self.workers}[pool]
+        return {"pool": 2, "pstate": 1, "wstate": 2 * self.workers}[pool]
 
 
 def _slots(n: int) -> str:
     return f"{n} slot" + ("" if n == 1 else "s")
 
 
-def _mib(entries: int) -> str:
-    return f"{entries * 8 / 2**20:.1f} MiB"
+def _mib(buffers: int) -> str:
+    return f"{buffers * BUF_DTYPE.itemsize / 2**20:.1f} MiB"
 
 
 def admit(demand: SlotDemand, used: dict[str, list[tuple[int, int, int]]],
@@ -114,7 +95,7 @@ def admit(demand: SlotDemand, used: dict[str, list[tuple[int, int, int]]],
     ``used[pool]``: (offset, length, job_id) of the installed jobs' regions. Raises AdmissionError:
     permanent (with the largest slot count that would fit an empty dataplane) when a pool is
     smaller than the demand, else naming the jobs whose regions stand in the way."""
-    what = {"pool": "pool entries", "pstate": "slot states", "wstate": "worker states"}
+    what = {"pool": "pool buffers", "pstate": "slot states", "wstate": "worker states"}
     out = {}
     for name in ("pool", "pstate", "wstate"):
         size = getattr(demand, name)
@@ -125,9 +106,7 @@ def admit(demand: SlotDemand, used: dict[str, list[tuple[int, int, int]]],
         per = demand.per_slot(name)
         mem = ""
         if name == "pool":
-            lists = (f" + a {demand.list_cap}-offset touched list in {demand.list_cap // 4} entries"
-                     if demand.list_cap else "")
-            mem = f" ({_mib(size)}: 2 buffers a slot, each {demand.stride} s64 sums{lists})"
+            mem = f" ({_mib(size)}: 2 buffers a slot)"
         head = (f"job {demand.job_id} needs {demand.slots} aggregation slots on this DPU: "
                 f"{size} {what[name]}{mem}")
         if size > capacity[name]:
@@ -143,23 +122,3 @@ def admit(demand: SlotDemand, used: dict[str, list[tuple[int, int, int]]],
             f"{holders} hold the rest): it fits once one of them ends; retry then"
             + (f", or ask for at most {_slots(fit)}" if fit else ""))
     return out
-
-
-def admit_job(demand: SlotDemand, used: dict[str, list[tuple[int, int, int]]],
-              capacity: dict[str, int]) -> tuple[SlotDemand, dict[str, int]]:
-    """``admit`` with the touched lists optional: (the demand admitted, its offsets). The lists only
-    spare the DPU worker a scan of each completed buffer, so a window that fits the pool only
-    without them (a pool sized to ``slots x 2 x stride``, as some callers compute it) runs without
-    them rather than being refused. One that fits neither way raises admit's error for the demand
-    with its lists (what a freed or bigger pool would give the job), unless only that one can
-    never fit: then the error of the demand without lists, which fits once other jobs end."""
-    try:
-        return demand, admit(demand, used, capacity)
-    except AdmissionError as e:
-        if not demand.list_cap:
-            raise
-        lean = replace(demand, list_cap=0)
-        try:
-            return lean, admit(lean, used, capacity)
-        except AdmissionError as e2:
-            raise (e2 if e.permanent and not e2.permanent else e) from None

@@ -9,7 +9,8 @@ import sys
 
 from dosa import wire
 from dosa.errors import DosaError
-from dataplane.loader import DEFAULT_POOL_SLOTS
+from dataplane.layout import BUF_DTYPE
+from dataplane.loader import DEFAULT_POOL_BUFFERS
 from dosa.job import DEFAULT_SLOTS, DPU_MODES, RESULT_MODES, DpuMode, ResultMode
 from dosa.net import DEFAULT_CONTROL_PORT
 
@@ -43,8 +44,9 @@ def register(sub) -> None:
     a.add_argument("--netns", help="network namespace of the interface (ip netns name)")
     a.add_argument("--xdp-mode", choices=("auto", "native", "skb"), default="auto")
     a.add_argument("--port", type=int, default=wire.DEFAULT_PORT, help="UDP port carrying dosa")
-    a.add_argument("--pool-slots", type=int, default=DEFAULT_POOL_SLOTS,
-                   help="aggregation pool size in s64 entries (a job holds slots x 2 x partition size)")
+    a.add_argument("--pool-buffers", type=int, default=DEFAULT_POOL_BUFFERS,
+                   help="aggregation buffers in the pool, 288 KiB each (a job holds 2 a slot; "
+                        f"default {DEFAULT_POOL_BUFFERS})")
     a.add_argument("--pstate-slots", type=int, default=65536, help="(job, aggregation slot) states")
     a.add_argument("--wstate-slots", type=int, default=262144, help="(slot, parity, worker) states")
     a.set_defaults(func=cmd_attach)
@@ -126,7 +128,8 @@ def register(sub) -> None:
     v.add_argument("--port", type=int, default=wire.DEFAULT_PORT, help="UDP data port of dosa")
     v.add_argument("--mode", choices=DPU_MODES, default=DpuMode.XDP.value)
     v.add_argument("--xdp-mode", choices=("auto", "native", "skb"), default="auto")
-    v.add_argument("--pool-slots", type=int, default=DEFAULT_POOL_SLOTS)
+    v.add_argument("--pool-buffers", type=int, default=DEFAULT_POOL_BUFFERS,
+                   help="aggregation buffers in the pool, 288 KiB each (a job holds 2 a slot)")
     v.add_argument("--keep-state", action="store_true", help="leave the dataplane loaded on exit")
     v.add_argument("--secret-file", default=os.environ.get("DOSA_SECRET_FILE") or None,
                    help="the DPU's secret file (every role; made by `dosa testbed up`, `dosa deploy`, "
@@ -159,7 +162,7 @@ def cmd_attach(args) -> int:
 
     with _ctl(args) as c:
         c.attach(args.iface, netns=args.netns, mode=args.xdp_mode, port=args.port,
-                 config=LoadConfig(pool_slots=args.pool_slots, pstate_slots=args.pstate_slots,
+                 config=LoadConfig(pool_buffers=args.pool_buffers, pstate_slots=args.pstate_slots,
                                    wstate_slots=args.wstate_slots))
         where = f" in namespace {args.netns}" if args.netns else ""
         print(f"dosa dataplane {c.instance!r} attached to {args.iface}{where}")
@@ -184,8 +187,8 @@ def cmd_job_add(args) -> int:
                       num_dpus=args.num_dpus, dpu_index=args.dpu_index, scale_exp=args.scale_exp,
                       mode=args.mode, port=args.port, slots=args.slots)
         print(f"job {j.job_id}: {j.workers} workers, {j.numel} entries in {j.num_partitions} partitions, "
-              f"{j.num_owned} owned here in {j.slots} aggregation slots: {j.pool_len} pool entries "
-              f"({j.pool_len * 8 / 2**20:.1f} MiB) at {j.pool_off}")
+              f"{j.num_owned} owned here in {j.slots} aggregation slots: {j.pool_len} pool buffers "
+              f"({j.pool_len * BUF_DTYPE.itemsize / 2**20:.1f} MiB) at {j.pool_off}")
     return 0
 
 
@@ -317,7 +320,7 @@ def cmd_serve(args) -> int:
             raise DosaError("xdp mode needs --iface (the interface to attach the dataplane to)")
         ctl = _ctl(args)
         ctl.attach(args.iface, netns=args.netns, mode=args.xdp_mode, port=args.port,
-                   config=LoadConfig(pool_slots=args.pool_slots))
+                   config=LoadConfig(pool_buffers=args.pool_buffers))
     listen = args.listen or (args.addr, DEFAULT_CONTROL_PORT)
     try:
         tag = _instance(args).strip("/").replace("/", "_")

@@ -31,7 +31,7 @@ from dosa import wire
 from dosa.errors import DosaError
 from dosa.job import DEFAULT_SCALE_EXP, DEFAULT_SLOTS, MAX_SLOTS
 
-from .alloc import AdmissionError, SlotDemand, admit_job, touched_list_cap
+from .alloc import AdmissionError, SlotDemand, admit, touched_list_cap
 from .netns import run_in_netns
 
 STATE_DIR = "/run/dosa"
@@ -185,8 +185,7 @@ class Controller:
         """Install a job: allocate its regions, clear them, write the job entry (last, so XDP never
         sees a job whose memory is not ready). ``slots``: its aggregation slots here (at most the
         partitions it owns here); they, not numel, set its memory (docs/dataplane.md, *Slots*).
-        Each buffer gets a touched list (``control.alloc.touched_list_cap``) unless the window fits
-        the pool only without them (``control.alloc.admit_job``). Errors: DosaError for bad values
+        Each buffer gets a touched list (``control.alloc.touched_list_cap``). Errors: DosaError for bad values
         or an existing job, AdmissionError when a pool or table is full (``permanent`` when it
         could never fit this dataplane)."""
         if not 1 <= job_id <= 2**32 - 1:
@@ -223,7 +222,7 @@ class Controller:
             used = {"pool": [(j.pool_off, j.pool_len, j.job_id) for j in existing],
                     "pstate": [(j.pstate_off, j.pstate_len, j.job_id) for j in existing],
                     "wstate": [(j.wstate_off, j.wstate_len, j.job_id) for j in existing]}
-            demand, off = admit_job(demand, used, cap)  # without touched lists if only so it fits
+            off = admit(demand, used, cap)
             job = JobInfo(job_id=job_id, workers=workers, partition_size=partition_size, numel=numel,
                           num_partitions=pm.num_partitions, dpu_index=dpu_index, num_dpus=num_dpus,
                           num_owned=owned, mode=MODES[mode], pool_off=off["pool"], pstate_off=off["pstate"],

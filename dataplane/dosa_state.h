@@ -1,36 +1,29 @@
 /* dosa dataplane state: the structs the XDP program and user space share through BPF maps.
  * dataplane/layout.py holds each struct's layout table (ctypes) for user space;
  * tests/dataplane/test_layout.py checks them against the ones BCC compiled (so the two cannot drift).
- * See docs/dataplane.md for the map layouts and why they are shaped this way. */
+ * See docs/dataplane.md for the map layouts and why they are shaped this way.
+ *
+ * The DPU worker's compiled code includes this header too (dpu_fw/_state.pxd): one C view of the
+ * state for the XDP program, the worker and its userspace merge.
+ *
+ * The buffer geometry (DOSA_BUF_SUMS, DOSA_LIST_WORDS, DOSA_MAX_SHARDS, DOSA_SCALE_TAG_BIAS) comes
+ * from dosa_layout.h, generated from dataplane/layout.py; the map sizes (DOSA_POOL_BUFS,
+ * DOSA_PSTATE_SLOTS, DOSA_WSTATE_SLOTS, DOSA_MAX_JOBS, DOSA_MAX_FLOWS, DOSA_MAX_PORTS,
+ * DOSA_RINGBUF_PAGES) from dataplane/loader.py's LoadConfig when it compiles the program (which
+ * defines DOSA_BPF): each number is written once. */
 #ifndef DOSA_STATE_H
 #define DOSA_STATE_H
 
 #include <linux/types.h>
+#include "dosa_layout.h"
 
-/* Sizes fixed at load time (the loader passes -D...; defaults here). */
-#ifndef DOSA_POOL_SLOTS
-#define DOSA_POOL_SLOTS (1u << 22) /* s64 aggregation slots: 32 MiB */
+#ifdef DOSA_BPF
+#if !defined(DOSA_POOL_BUFS) || !defined(DOSA_PSTATE_SLOTS) || !defined(DOSA_WSTATE_SLOTS) || \
+	!defined(DOSA_MAX_JOBS) || !defined(DOSA_MAX_FLOWS) || !defined(DOSA_MAX_PORTS) || \
+	!defined(DOSA_RINGBUF_PAGES)
+#error "the map sizes come from dataplane/loader.py (LoadConfig.cflags)"
 #endif
-#ifndef DOSA_PSTATE_SLOTS
-#define DOSA_PSTATE_SLOTS 65536 /* (job, slot) states */
 #endif
-#ifndef DOSA_WSTATE_SLOTS
-#define DOSA_WSTATE_SLOTS 262144 /* (job, slot, parity, worker) states */
-#endif
-#ifndef DOSA_MAX_JOBS
-#define DOSA_MAX_JOBS 64
-#endif
-#ifndef DOSA_MAX_FLOWS
-#define DOSA_MAX_FLOWS 4096 /* (job, worker) flows */
-#endif
-#ifndef DOSA_MAX_PORTS
-#define DOSA_MAX_PORTS 16
-#endif
-#ifndef DOSA_RINGBUF_PAGES
-#define DOSA_RINGBUF_PAGES 64 /* 256 KiB: > 10k completion events */
-#endif
-
-/* DOSA_SCALE_TAG_BIAS comes from dataplane/layout.py (c_defines(), put before the program text). */
 
 /* jobs: hash job_id -> job. Written only by the control plane. */
 struct dosa_job {
@@ -42,18 +35,16 @@ struct dosa_job {
 	__u32 num_dpus;
 	__u32 num_owned;      /* partitions owned here: local index j = p / num_dpus */
 	__u32 mode;           /* DOSA_MODE_* (informational for XDP) */
-	__u32 pool_off;       /* first s64 slot of the job's region in the aggregation pool */
+	__u32 pool_off;       /* first buffer of the job's region in the aggregation pool */
 	__u32 pstate_off;     /* first entry of its `slots` slot states */
 	__u32 wstate_off;     /* first entry of its slots * 2 * workers worker states */
 	__s32 scale_exp;      /* initial scale exponent (round 0) */
 	__u32 port;           /* UDP port of the job */
-	__u32 stride;         /* s64 sums per buffer: min(partition_size, numel) (a one-partition
-			       * job smaller than partition_size does not waste the pool) */
+	__u32 stride;         /* sums used in each buffer: min(partition_size, numel) */
 	__u32 slots;          /* aggregation slots (1..num_owned): owned partition j aggregates in
-			       * slot j % slots; its memory is slots * 2 * pitch pool entries */
-	__u32 list_cap;       /* u16 offsets in each buffer's touched list, a multiple of 4 (0: no
-			       * lists). A buffer is pitch = stride + list_cap / 4 pool entries: its
-			       * stride sums, then the list packed 4 offsets per s64 entry */
+			       * slot j % slots; its buffers are pool_off + slot * 2 + parity */
+	__u32 list_cap;       /* u16 offsets of each buffer's touched list in use, a multiple of 4
+			       * (at most 4 * DOSA_LIST_WORDS; 0: no lists) */
 };
 
 /* workers: hash (job, worker) -> the only source allowed to send as that worker. */
@@ -68,6 +59,25 @@ struct dosa_flow {
 	__u16 reserved;
 };
 
+/* pool: mmapable array of aggregation buffers; buffer pool_off + slot * 2 + parity of a job.
+ * One lookup per packet gives the whole buffer: the merge loop indexes it with a masked u16
+ * offset, so the verifier needs no check per entry. */
+struct dosa_buf {
+	__s32 sums[DOSA_BUF_SUMS];     /* index lo + i sums at sums[i]; saturated at +-(2^31 - 1) */
+	__u64 list[DOSA_LIST_WORDS];   /* touched list: u16 offsets, 4 a word, in host order */
+};
+
+#ifdef DOSA_BPF
+/* locks: one per pool buffer, taken around a packet's adds and list copy so the adds need no
+ * atomics (a bpf_spin_lock cannot live in an mmapable map, hence its own map). Padded to a cache
+ * line: neighbouring buffers' locks are taken on other CPUs at the same time. User space never
+ * touches them. */
+struct dosa_lock {
+	struct bpf_spin_lock lock;
+	__u32 pad[15];
+};
+#endif
+
 /* pstate: mmapable array; one per (job, slot). Index pstate_off + slot.
  * The occupants of slot s are the owned partitions j = s, s + slots, ... (n_s = ceil((num_owned -
  * s) / slots) of them a round), round after round; occupant (round r, j) is generation
@@ -77,8 +87,8 @@ struct dosa_pstate {
 	/* 64-bit because BCC's BPF target only has fetching atomics (fetch_add, cmpxchg) on 64 bits */
 	__u64 workers_done[2]; /* per parity (g & 1): workers whose contribution is complete */
 	__u64 scale_tag[2];    /* per parity: scale_exp + DOSA_SCALE_TAG_BIAS of the round, 0 = unset */
-	__u64 touched[2];      /* per parity: entries of the buffer that went from 0 to non-zero (its
-				* touched list's length; past list_cap the list is incomplete) */
+	__u64 touched[2];      /* per parity: u16 positions of the buffer's touched list reserved
+				* (written under the buffer's lock; past list_cap the list is incomplete) */
 };
 
 /* wstate: mmapable array; index wstate_off + (slot * 2 + parity) * workers + worker_id. */
@@ -88,7 +98,8 @@ struct dosa_wstate {
 	__u64 total;    /* the worker's packet total for this (round, partition), 0 = unset */
 };
 
-/* completions ring buffer record: exactly one per completed (job, partition, round). */
+/* completions0..N ring buffers: exactly one record per completed (job, partition, round), in the
+ * ring of its slot's shard (slot % shards): each DPU worker shard consumes its own. */
 struct dosa_completion {
 	__u32 job_id;
 	__u32 round;
@@ -96,6 +107,14 @@ struct dosa_completion {
 	__s8 scale_exp;
 	__u8 reserved;
 	__u32 reserved2;
+};
+
+/* settings: mmapable array of one, written by the DPU worker. */
+struct dosa_settings {
+	__u32 shards;                  /* completion rings in use (1..DOSA_MAX_SHARDS; 0 reads as 1) */
+	__u32 reserved;
+	__u64 asleep[DOSA_MAX_SHARDS]; /* shard i blocks on its ring: wake it (else its records wait
+					* for its next poll, like virtio's event suppression) */
 };
 
 #endif /* DOSA_STATE_H */

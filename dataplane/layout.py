@@ -12,8 +12,20 @@ import ctypes
 
 import numpy as np
 
+from dosa import wire
+
 #: pstate.scale_tag = scale_exp + SCALE_TAG_BIAS: never 0 for a valid scale, so 0 means "unset"
 SCALE_TAG_BIAS = 256
+#: s32 sums of one aggregation buffer: the largest partition the wire allows (u16 offsets)
+BUF_SUMS = wire.MAX_PARTITION_SIZE
+#: u16 offsets one buffer's touched list holds: a quarter of its sums (control.alloc.touched_list_cap
+#: of a full partition), 4 to a u64 word
+LIST_CAP = BUF_SUMS // 4
+LIST_WORDS = LIST_CAP // 4
+#: completion rings (dosa_xdp.c completions0..): at most this many DPU worker shards per dataplane
+MAX_SHARDS = 8
+#: the saturation bound of a sum (the DPU worker always saturated at it): +-(2^31 - 1)
+SUM_LIMIT = 2**31 - 1
 
 
 class Job(ctypes.Structure):
@@ -47,6 +59,15 @@ class WState(ctypes.Structure):
                 ("total", ctypes.c_uint64)]
 
 
+class Buf(ctypes.Structure):
+    _fields_ = [("sums", ctypes.c_int32 * BUF_SUMS), ("list", ctypes.c_uint64 * LIST_WORDS)]
+
+
+class Settings(ctypes.Structure):
+    _fields_ = [("shards", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
+                ("asleep", ctypes.c_uint64 * MAX_SHARDS)]
+
+
 class Completion_(ctypes.Structure):
     _fields_ = [("job_id", ctypes.c_uint32), ("round", ctypes.c_uint32),
                 ("partition", ctypes.c_uint16), ("scale_exp", ctypes.c_int8),
@@ -60,16 +81,29 @@ U32 = ctypes.c_uint32
 PSTATE_DTYPE = np.dtype(PState)
 WSTATE_DTYPE = np.dtype(WState)
 COMPLETION_DTYPE = np.dtype(Completion_)
+BUF_DTYPE = np.dtype(Buf)
+SETTINGS_DTYPE = np.dtype(Settings)
+#: bytes of one struct dosa_lock (a bpf_spin_lock padded to a cache line)
+LOCK_SIZE = 64
 assert PSTATE_DTYPE.itemsize == 56 and WSTATE_DTYPE.itemsize == 48 and COMPLETION_DTYPE.itemsize == 16
+assert BUF_DTYPE.itemsize == 4 * BUF_SUMS + 8 * LIST_WORDS and BUF_DTYPE.itemsize % 4096 == 0
 
 
-def buffer_pitch(stride: int, list_cap: int) -> int:
-    """Pool entries of one aggregation buffer (struct dosa_job): its ``stride`` s64 sums, then its
-    touched list, ``list_cap`` u16 offsets packed 4 per entry (dosa_xdp.c locate() computes the
-    same)."""
-    return stride + list_cap // 4
+def touched_list_cap(stride: int) -> int:
+    """Touched-list capacity of a buffer of ``stride`` sums: a quarter of them, rounded down to a
+    multiple of 4 (the list is copied 4 u16 offsets a word); every buffer has room for the list of
+    a full partition (LIST_CAP). Up to 25 % density the DPU worker reads only the listed sums;
+    above, the list overflows and it scans the buffer, which then costs no more per non-zero than
+    the list would. 0 (no lists) for buffers under 16 sums."""
+    return (stride // 4) & ~3
 
 
-def c_defines() -> str:
-    """C text of the constants above the program shares with user space."""
-    return f"#define DOSA_SCALE_TAG_BIAS {SCALE_TAG_BIAS}\n"
+def c_header() -> str:
+    """The text of dataplane/dosa_layout.h (``python -m dataplane.gen_headers``): the constants
+    above that the C side (dosa_state.h, the XDP program, the DPU worker's compiled code) shares."""
+    defines = "".join(f"#define DOSA_{name} {value}\n" for name, value in (
+        ("SCALE_TAG_BIAS", SCALE_TAG_BIAS), ("BUF_SUMS", BUF_SUMS), ("LIST_WORDS", LIST_WORDS),
+        ("MAX_SHARDS", MAX_SHARDS), ("SUM_LIMIT", f"{SUM_LIMIT}LL")))
+    return ("/* GENERATED from dataplane/layout.py by `python -m dataplane.gen_headers`; do not edit\n"
+            " * (tests/unit/test_generated_headers.py fails when it is stale). */\n"
+            "#ifndef DOSA_LAYOUT_H\n#define DOSA_LAYOUT_H\n\n" + defines + "\n#endif /* DOSA_LAYOUT_H */\n")

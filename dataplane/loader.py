@@ -8,6 +8,7 @@ kernel frees everything.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import subprocess
@@ -27,25 +28,33 @@ WIRE_HEADER_DIR = Path(wire.__file__).resolve().parent
 BPFFS = "/sys/fs/bpf"
 PIN_ROOT = f"{BPFFS}/dosa"
 PROG_PIN = "prog"
-MAP_NAMES = ("jobs", "flows", "ports", "pool", "pstate", "wstate", "counters", "completions")
+#: one completion ring per DPU worker shard (dosa_xdp.c ring_output)
+RING_NAMES = tuple(f"completions{i}" for i in range(layout.MAX_SHARDS))
+MAP_NAMES = ("jobs", "flows", "ports", "pool", "locks", "pstate", "wstate", "settings", "counters",
+             "slow_path", *RING_NAMES)
 FUNC_NAME = "xdp_dosa"
+#: the slow path xdp_dosa tail-calls when a packet's adds leave the s32 range (its own program, so
+#: the verifier checks it on its own budget): slot 0 of the ``slow_path`` prog array
+SLOW_PATH_FUNC = "xdp_dosa_saturate"
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
-#: s64 entries of the aggregation pool by default: 17M = 136 MiB, two jobs of dosa.job.DEFAULT_SLOTS
-#: slots at the default partition size (64 x 2 buffers of 65536 sums + a 16384-offset touched list
-#: in 4096 entries, control.alloc.touched_list_cap)
-DEFAULT_POOL_SLOTS = 17 << 20
+#: aggregation buffers of the pool by default (layout.BUF_DTYPE, 288 KiB each: 65536 s32 sums and a
+#: 16384-offset touched list): 512 = 144 MiB, four jobs of dosa.job.DEFAULT_SLOTS slots (2 buffers a
+#: slot) at the default partition size
+DEFAULT_POOL_BUFFERS = 512
 
 
 @dataclass(frozen=True)
 class LoadConfig:
-    """Sizes fixed when the program is compiled (BPF maps cannot grow)."""
+    """Sizes fixed when the program is compiled (BPF maps cannot grow). The one place they are
+    written: dosa_state.h has no defaults, cflags() defines every one."""
 
-    pool_slots: int = DEFAULT_POOL_SLOTS  # s64 aggregation slots
-    pstate_slots: int = 65536  # owned (job, partition) states
-    wstate_slots: int = 262144  # (job, owned partition, parity, worker) states
+    pool_buffers: int = DEFAULT_POOL_BUFFERS  # aggregation buffers (2 per slot of a job)
+    pstate_slots: int = 65536  # (job, aggregation slot) states
+    wstate_slots: int = 262144  # (job, slot, parity, worker) states
     max_jobs: int = 64
     max_flows: int = 4096
-    ringbuf_pages: int = 64
+    max_ports: int = 16
+    ringbuf_pages: int = 64  # per completion ring: 256 KiB, > 10k completion records
 
     def cflags(self) -> list[str]:
         for k, v in asdict(self).items():
@@ -53,9 +62,10 @@ class LoadConfig:
                 raise DosaError(f"dataplane setting {k}={v!r} must be a positive 32-bit integer")
         if self.ringbuf_pages & (self.ringbuf_pages - 1):
             raise DosaError(f"ringbuf_pages={self.ringbuf_pages} must be a power of two")
-        return [f"-DDOSA_POOL_SLOTS={self.pool_slots}u", f"-DDOSA_PSTATE_SLOTS={self.pstate_slots}",
+        return [f"-DDOSA_POOL_BUFS={self.pool_buffers}u", f"-DDOSA_PSTATE_SLOTS={self.pstate_slots}",
                 f"-DDOSA_WSTATE_SLOTS={self.wstate_slots}", f"-DDOSA_MAX_JOBS={self.max_jobs}",
-                f"-DDOSA_MAX_FLOWS={self.max_flows}", f"-DDOSA_RINGBUF_PAGES={self.ringbuf_pages}"]
+                f"-DDOSA_MAX_FLOWS={self.max_flows}", f"-DDOSA_MAX_PORTS={self.max_ports}",
+                f"-DDOSA_RINGBUF_PAGES={self.ringbuf_pages}"]
 
 
 def check_instance(instance: str) -> str:
@@ -148,9 +158,10 @@ def ensure_bpffs() -> None:
 
 
 def program_text() -> str:
-    """The C the kernel runs: the constants layout.py shares with C, then dosa_xdp.c (which
-    includes the dosa_wire.h generated from dosa/wire.py, with the counter enum of dosa/counters.py)."""
-    return layout.c_defines() + "\n" + SOURCE.read_text()
+    """The C the kernel runs: dosa_xdp.c, which includes the headers generated from the Python
+    definitions (dosa/dosa_wire.h from dosa/wire.py with dosa/counters.py's enum, dosa_layout.h from
+    layout.py); DOSA_BPF tells the shared headers they are compiled into the program."""
+    return "#define DOSA_BPF 1\n" + SOURCE.read_text()
 
 
 def bcc_class():
@@ -172,6 +183,8 @@ def compile_program(config: LoadConfig = LoadConfig()):
     try:
         bpf = BPF(text=program_text().encode(), cflags=[f"-I{HERE}", f"-I{WIRE_HEADER_DIR}", *config.cflags()])
         fn = bpf.load_func(FUNC_NAME.encode(), BPF.XDP)
+        slow = bpf.load_func(SLOW_PATH_FUNC.encode(), BPF.XDP)
+        bpf[b"slow_path"][ctypes.c_int(0)] = ctypes.c_int(slow.fd)
     except Exception as e:  # BCC raises bare Exceptions on compile / verifier errors
         raise DosaError(f"the XDP program failed to compile or verify: {e}") from e
     return bpf, fn.fd

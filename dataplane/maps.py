@@ -5,7 +5,7 @@ The DPU worker (another process) uses the read/advance side::
     from dataplane.maps import DataplaneMaps
     dp = DataplaneMaps.open("dpu0")
     for c in dp.poll_completions(timeout_ms=100):       # Completion(job_id, partition, round, scale_exp)
-        sums = dp.buffer(c.job_id, c.partition, c.round)  # int64 view, zero-copy: index lo + i
+        sums = dp.buffer(c.job_id, c.partition, c.round)  # int32 view, zero-copy: index lo + i
         lst, n = dp.touched(c.job_id, c.partition, c.round)  # offsets of its non-zeros (n <= len(lst))
         ...  # build and send result packets from sums
         dp.advance(c.job_id, c.partition, c.round)        # clear the slot's previous occupant
@@ -13,13 +13,12 @@ The DPU worker (another process) uses the read/advance side::
 The control plane (control.Controller) uses the write side: put_job / delete_job / put_flow /
 delete_flow / add_port and clear_job_state. Layout and reasons: docs/dataplane.md.
 
-Maps are opened by their pins (/sys/fs/bpf/dosa/<instance>/); the three state arrays are mmap'ed and
-viewed with numpy, so reading a buffer or clearing a parity costs no syscall per element.
+Maps are opened by their pins (/sys/fs/bpf/dosa/<instance>/); the pool, state and settings arrays
+are mmap'ed and viewed with numpy, the completion rings read through their mmap (dataplane.ring), so reading a buffer or clearing a parity costs no syscall per element.
 """
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 import os
 import socket
@@ -32,6 +31,7 @@ from dosa.errors import DosaError
 from dosa.job import RESULT_MODES
 
 from . import layout, libbpf, loader, reasons
+from .ring import Ring, wait_readable
 
 
 #: a job's result mode as the jobs map stores it: its index in dosa.job.RESULT_MODES
@@ -77,20 +77,18 @@ class JobInfo:
             object.__setattr__(self, "stride", min(self.partition_size, self.numel))
         if not self.slots:
             object.__setattr__(self, "slots", self.num_owned)
-        if self.list_cap % 4 or self.list_cap < 0:
+        if self.list_cap % 4 or not 0 <= self.list_cap <= layout.LIST_CAP:
             raise DosaError(f"job {self.job_id}: touched-list capacity {self.list_cap} is not a "
-                            "multiple of 4 (the lists are packed 4 offsets per s64 pool entry)")
-
-    @property
-    def pitch(self) -> int:
-        """Pool entries per buffer: its ``stride`` sums, then its touched list (``list_cap`` u16
-        offsets, 4 per entry)."""
-        return layout.buffer_pitch(self.stride, self.list_cap)
+                            f"multiple of 4 in 0..{layout.LIST_CAP} (a buffer's list holds "
+                            f"{layout.LIST_CAP} u16 offsets, 4 a word)")
+        if self.stride > layout.BUF_SUMS:
+            raise DosaError(f"job {self.job_id}: {self.stride} sums a buffer, more than the "
+                            f"{layout.BUF_SUMS} a buffer holds")
 
     @property
     def pool_len(self) -> int:
-        """Pool entries the job holds: two buffers (occupant parity) per slot, whatever numel."""
-        return self.slots * 2 * self.pitch
+        """Pool buffers the job holds: two (occupant parity) per slot, whatever numel."""
+        return self.slots * 2
 
     @property
     def pstate_len(self) -> int:
@@ -163,12 +161,13 @@ class DataplaneMaps:
         self.instance = instance
         self._fds = fds
         self._mmaps: list[mmap.mmap] = []
-        self.pool = self._map_array("pool", np.dtype("<i8"))
+        #: the aggregation buffers (layout.BUF_DTYPE): ``pool["sums"][b]`` is buffer b's s32 sums
+        self.pool = self._map_array("pool", layout.BUF_DTYPE)
         self.pstate = self._map_array("pstate", layout.PSTATE_DTYPE)
         self.wstate = self._map_array("wstate", layout.WSTATE_DTYPE)
+        self.settings = self._map_array("settings", layout.SETTINGS_DTYPE)
         self.ncpus = libbpf.num_possible_cpus()
-        self._pending: list[Completion] = []
-        self._rb = libbpf.RingBuffer(fds["completions"], self._on_completion)
+        self._rings: dict[int, Ring] = {}
 
     @classmethod
     def open(cls, instance: str = "default") -> "DataplaneMaps":
@@ -200,10 +199,10 @@ class DataplaneMaps:
         return np.frombuffer(mm, dtype, count=info.max_entries)
 
     def close(self) -> None:
-        if self._rb is not None:
-            self._rb.close()
-            self._rb = None
-        self.pool = self.pstate = self.wstate = None
+        for r in self._rings.values():
+            r.close()
+        self._rings = {}
+        self.pool = self.pstate = self.wstate = self.settings = None
         for mm in self._mmaps:
             try:
                 mm.close()
@@ -223,27 +222,43 @@ class DataplaneMaps:
     # ---------------------------------------------------------------------------------------------
     # DPU worker side
     # ---------------------------------------------------------------------------------------------
-    def _on_completion(self, raw: bytes) -> None:
-        ev = layout.Completion_.from_buffer_copy(raw[:ctypes.sizeof(layout.Completion_)])
-        self._pending.append(Completion(ev.job_id, ev.partition, ev.round, ev.scale_exp))
+    def ring(self, shard: int = 0) -> Ring:
+        """The completion ring of DPU worker shard ``shard`` (records of the slots with
+        ``slot % shards == shard``), mapped once per process."""
+        if not 0 <= shard < layout.MAX_SHARDS:
+            raise DosaError(f"shard {shard} outside 0..{layout.MAX_SHARDS - 1}")
+        r = self._rings.get(shard)
+        if r is None:
+            r = self._rings[shard] = Ring(self._fds[loader.RING_NAMES[shard]])
+        return r
 
-    def poll_completions(self, timeout_ms: int = 0) -> list[Completion]:
-        """Completion events since the last call, waiting up to ``timeout_ms`` for the first one."""
-        try:
-            if timeout_ms > 0:
-                self._rb.poll(timeout_ms)
-            else:
-                self._rb.consume()
-        except OSError as e:
-            if e.errno != errno.EINTR:
-                raise
-        out, self._pending = self._pending, []
+    def poll_completions(self, timeout_ms: int = 0, shard: int | None = None) -> list[Completion]:
+        """Completion events since the last call (of ``shard``'s ring, or of every ring), waiting
+        up to ``timeout_ms`` for the first one; consumed (committed) on return."""
+        shards = range(layout.MAX_SHARDS) if shard is None else [shard]
+        out: list[Completion] = []
+        for attempt in (0, 1):
+            for i in shards:
+                r = self.ring(i)
+                recs = r.read()
+                r.commit()
+                out += [Completion(int(c["job_id"]), int(c["partition"]), int(c["round"]),
+                                   int(c["scale_exp"])) for c in recs]
+            if out or timeout_ms <= 0 or attempt:
+                return out
+            wait_readable([self.ring(i).fd for i in shards], timeout_ms)
         return out
 
-    def completion_fd(self) -> int:
-        """An fd that polls readable while completion events wait (select/poll it next to a
-        socket, then ``poll_completions(0)``)."""
-        return self._rb.epoll_fd()
+    def completion_fd(self, shard: int = 0) -> int:
+        """An fd that polls readable while completion records wait in ``shard``'s ring (select or
+        poll it next to a socket, then ``poll_completions(0)``)."""
+        return self.ring(shard).fd
+
+    def set_shards(self, n: int) -> None:
+        """How many completion rings XDP spreads the slots over (one per DPU worker shard)."""
+        if not 1 <= n <= layout.MAX_SHARDS:
+            raise DosaError(f"{n} DPU worker shards: 1..{layout.MAX_SHARDS} are possible")
+        self.settings["shards"][0] = n
 
     def job_info(self, job_id: int) -> JobInfo | None:
         s = layout.Job()
@@ -261,14 +276,17 @@ class DataplaneMaps:
         return [j for k in libbpf.keys(self._fds["jobs"], layout.U32)
                 if (j := self.job_info(k.value)) is not None]
 
+    def buffer_index(self, j: JobInfo, partition: int, round: int) -> int:
+        """Pool buffer of (partition, round): its slot's buffer of that occupant's parity."""
+        return j.pool_off + j.slot(partition) * 2 + (j.gen(partition, round) & 1)
+
     def buffer(self, job_id: int, partition: int, round: int, job: JobInfo | None = None) -> np.ndarray:
-        """Zero-copy int64 view of the sums of (partition, round) in its slot's buffer of that
+        """Zero-copy int32 view of the sums of (partition, round) in its slot's buffer of that
         occupant's parity: element i is index lo + i. Meaningful while (partition, round) is one of
         the slot's two accepted occupants (``in_window``)."""
         j = job or self._job(job_id)
         lo, hi = j.bounds(partition)
-        start = self._buf_start(j, j.slot(partition), j.gen(partition, round) & 1)
-        return self.pool[start:start + (hi - lo)]
+        return self.pool["sums"][self.buffer_index(j, partition, round), :hi - lo]
 
     def touched(self, job_id: int, partition: int, round: int,
                 job: JobInfo | None = None) -> tuple[np.ndarray, int] | None:
@@ -281,15 +299,9 @@ class DataplaneMaps:
         j = job or self._job(job_id)
         if not j.list_cap:
             return None
-        slot, par = j.slot(partition), j.gen(partition, round) & 1
-        start = self._buf_start(j, slot, par) + j.stride
-        lst = self.pool[start:start + j.list_cap // 4].view(np.uint16)
-        return lst, int(self.pstate["touched"][j.pstate_off + slot, par])
-
-    @staticmethod
-    def _buf_start(j: JobInfo, slot: int, parity: int) -> int:
-        """Pool entry of the first sum of ``slot``'s buffer of ``parity``."""
-        return j.pool_off + (slot * 2 + parity) * j.pitch
+        b = self.buffer_index(j, partition, round)
+        lst = self.pool["list"][b].view(np.uint16)[:j.list_cap]
+        return lst, int(self.pstate["touched"][j.pstate_off + j.slot(partition), j.gen(partition, round) & 1])
 
     def _ps_index(self, j: JobInfo, partition: int) -> int:
         return j.pstate_off + j.slot(partition)
@@ -356,8 +368,7 @@ class DataplaneMaps:
 
     def _clear_parity(self, j: JobInfo, slot: int, par: int, nonzero=None, clear=None) -> None:
         i = j.pstate_off + slot
-        start = self._buf_start(j, slot, par)
-        buf = self.pool[start:start + j.stride]
+        buf = self.pool["sums"][j.pool_off + slot * 2 + par, :j.stride]
         if clear is not None:
             clear(buf)
         elif nonzero is None:
@@ -403,7 +414,7 @@ class DataplaneMaps:
 
     def clear_job_state(self, j: JobInfo) -> None:
         """Zero the job's whole region (buffers, partition and worker states)."""
-        self.pool[j.pool_off:j.pool_off + j.pool_len] = 0
+        self.pool["sums"][j.pool_off:j.pool_off + j.pool_len] = 0
         self.pstate[j.pstate_off:j.pstate_off + j.pstate_len] = 0
         self.wstate[j.wstate_off:j.wstate_off + j.wstate_len] = 0
 

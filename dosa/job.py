@@ -53,10 +53,9 @@ DPU_MODES = tuple(m.value for m in DpuMode)
 DEFAULT_SCALE_EXP = 16
 DEFAULT_DENSITY = 0.01
 #: aggregation slots a job holds on each DPU (docs/dataplane.md, *Slots*): its window of partitions
-#: in flight per DPU, and what sets its DPU memory (slots x 2 x (partition_size + its touched list,
-#: partition_size / 16) x 8 bytes: 68 MiB at
-#: the default partition size), whatever numel. Two such jobs fit the default 136 MiB pool
-#: (dataplane.loader.DEFAULT_POOL_SLOTS). 16 slots halved the 4-host transport's speed on the
+#: in flight per DPU, and what sets its DPU memory (slots x 2 buffers of 288 KiB: 36 MiB), whatever
+#: numel. Four such jobs fit the default 144 MiB pool (dataplane.loader.DEFAULT_POOL_BUFFERS).
+#: 16 slots halved the 4-host transport's speed on the
 #: testbed (hosts sharing a core run up to a time slice apart, and the window must cover that
 #: skew); 64 gets most of what one slot per partition gets (docs/dataplane.md, *Slots*).
 DEFAULT_SLOTS = 64

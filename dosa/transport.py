@@ -69,12 +69,16 @@ class UdpEndpoint:
     """
 
     def __init__(self, bind: tuple[str, int], *, bufsize: int = DEFAULT_SOCKET_BUFFER,
-                 recv_slots: int = 1024, gso: bool | None = None, gro: bool | None = None):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                 recv_slots: int = 1024, gso: bool | None = None, gro: bool | None = None,
+                 sock: socket.socket | None = None):
+        """``sock``: a UDP socket already bound to ``bind`` to adopt (e.g. one of a reuseport
+        group made by a parent process, dpu_fw/shards.py) instead of binding a new one."""
+        self.sock = sock if sock is not None else socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._set_buffers(bufsize)
-            self.sock.bind(bind)
+            if sock is None:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self.sock.bind(bind)
         except OSError as e:
             self.sock.close()
             raise DosaError(f"cannot bind UDP {bind[0]}:{bind[1]}: {e.strerror or e}") from None

@@ -1,6 +1,7 @@
 """``dosa dpu run``: the DPU worker."""
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 
@@ -40,6 +41,12 @@ def register(sub) -> None:
     r.add_argument("--pid-file", help="written with the worker's pid once it is ready")
     r.add_argument("--stats-file", help="keep this JSON file of the worker's counters (per job) current, "
                                         "for the control process's /metrics (ctl serve --worker-stats)")
+    r.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="worker processes, one per DPU core (1..8): the slots are sharded over them, "
+                        "each with its own completions, shadow copies and NACK scan (default 1)")
+    r.add_argument("--cpus", help="CPUs to pin the workers to, e.g. 0-3 or 2,3 (worker i takes the "
+                                  "i-th, round robin; default: not pinned)")
+    r.add_argument("--shard", help=argparse.SUPPRESS)  # I/N: run as shard I of N (set by --workers)
     r.add_argument("--duration", type=float, help="stop after this many seconds")
     r.add_argument("-v", "--verbose", action="store_true")
     r.set_defaults(func=cmd_run)
@@ -73,43 +80,36 @@ def cmd_run(args) -> int:
             from dosa.wire import DEFAULT_PORT
             bind = (bind[0], DEFAULT_PORT)
     instance = args.pin_dir or args.instance
-    if args.control is not None:
-        from_control = _control_discovery(args.control, bind)
-        if args.mode == "xdp":
-            from .xdp_backend import jobs_from_maps
-
-            def discover():
-                # a job created through another DPU's control plane is in this DPU's maps (its
-                # flows too) but not in this control plane's registry
-                # maps first, then the control plane's fuller view overrides: read the other way
-                # round, a join landing between the two reads would let the maps' partial view win
-                got = {j.job_id: j for j in jobs_from_maps(worker.maps, bind, args.gtopk_density)}
-                ctl = from_control()
-                if ctl is None:  # unreachable this time: do not take the maps' view for the truth
-                    return None
-                got.update({j.job_id: j for j in ctl})
-                return list(got.values())
-        else:
-            discover = from_control
-    elif args.mode == "xdp" and not jobs:
-        if bind is None:
-            raise DosaError("XDP mode without --job-config needs --addr (and --port)")
-        from .xdp_backend import jobs_from_maps
-
-        def discover():
-            return jobs_from_maps(worker.maps, bind, args.gtopk_density)
-    elif not jobs:
+    if args.control is None and args.mode != "xdp" and not jobs:
         raise DosaError("give --job-config FILE or --control ADDR:PORT to learn the jobs to serve")
-    else:
-        discover = None
+    if args.control is None and args.mode == "xdp" and not jobs and bind is None:
+        raise DosaError("XDP mode without --job-config needs --addr (and --port)")
     if idx is None:
         idx = 0
     if bind is None and jobs:
         bind = jobs[0].dpus[idx]
     if bind is None:
         raise DosaError("give --addr/--port, or a job config naming this DPU's address")
+    if not 1 <= args.workers <= MAX_WORKERS:
+        raise DosaError(f"--workers must lie in 1..{MAX_WORKERS}, got {args.workers}")
+    cpus = parse_cpus(args.cpus) if args.cpus else None
+    if args.workers > 1 and args.shard is None:
+        from .shards import run_shards
+
+        return run_shards(args, bind, idx, cpus)
+    shard, shards = parse_shard(args.shard) if args.shard else (0, 1)
+    if cpus:
+        os.sched_setaffinity(0, {cpus[shard % len(cpus)]})
+    sock = None
+    if os.environ.get("DOSA_DPU_SOCKET_FD"):  # the shard's socket of the parent's reuseport group
+        import socket
+
+        sock = socket.socket(fileno=int(os.environ.pop("DOSA_DPU_SOCKET_FD")))
+    # the maps are the worker's own (opened in DpuWorker): the source reads them once it exists
+    worker = None
+    source = _source(args, bind, lambda: worker.maps)
     worker = DpuWorker(jobs, idx, mode=args.mode, bind=bind, state_dir=args.state_dir,
-                       instance=instance, discover=discover)
+                       instance=instance, discover=source, shard=shard, shards=shards, sock=sock)
     install_signal_handlers(worker)
     worker.stats_file = args.stats_file
     if args.pid_file:
@@ -132,32 +132,41 @@ def cmd_run(args) -> int:
                 except OSError:
                     pass
         if args.verbose:
-            print({k: v for k, v in worker.stats.items() if v})
+            print({k: v for k, v in worker.totals().items() if v})
     return 0
 
 
-def _control_discovery(control, bind):
-    """Jobs the control plane knows whose every worker has joined (None when it cannot be asked:
-    the worker then changes nothing). This DPU's index in a job is its position in the job's DPU
-    list (matched by address): DpuWorker.add_job checks it per job."""
-    from dosa.join import request
+#: worker processes one dpu run may start: one completion ring each (dataplane.layout.MAX_SHARDS)
+MAX_WORKERS = 8
 
-    from dosa.job import JobConfig
 
-    log = logging.getLogger("dosa.dpu")
+def parse_cpus(text: str) -> list[int]:
+    """``0-3,6`` -> [0, 1, 2, 3, 6]; a DosaError sentence for anything else."""
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            a, _, b = part.partition("-")
+            out += list(range(int(a), int(b or a) + 1))
+    except ValueError:
+        raise DosaError(f"--cpus {text!r} is not a CPU list like 0-3 or 2,3") from None
+    if not out or min(out) < 0:
+        raise DosaError(f"--cpus {text!r} is not a CPU list like 0-3 or 2,3")
+    return out
 
-    def discover():
-        try:
-            views = request(control, "GET", "/v1/jobs", timeout=2.0).get("jobs", [])
-        except DosaError as e:
-            log.warning("%s", e)
-            return None
-        out = []
-        for v in views:
-            try:  # incomplete ones too (None hosts): the worker keeps serving a job members leave
-                out.append(JobConfig.from_view(v, partial=True))
-            except DosaError as e:
-                log.warning("%s", e)
-        return out
 
-    return discover
+def parse_shard(text: str) -> tuple[int, int]:
+    i, _, n = text.partition("/")
+    return int(i), int(n)
+
+
+def _source(args, bind, maps):
+    """The discover() of the worker's job sources (dpu_fw.discovery), or None: the job files only."""
+    from .discovery import control_discovery, jobs_from_maps, maps_and_control
+
+    if args.control is not None:
+        if args.mode == "xdp":
+            return lambda: maps_and_control(maps(), bind, args.control, args.gtopk_density)()
+        return control_discovery(args.control, bind)
+    if args.mode == "xdp" and not args.job_config:
+        return lambda: jobs_from_maps(maps(), bind, args.gtopk_density)
+    return None

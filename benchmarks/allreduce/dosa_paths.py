@@ -453,16 +453,16 @@ def host_main(argv=None) -> int:
     return 0 if "error" not in rec else 1
 
 
-def _services(pool_slots: int):
-    """testbed.services.dpu_services with a dataplane pool large enough for the job (the default
-    32 MiB holds 4M slots; a 25M-entry job needs 2 x numel / dpus)."""
+def _services(pool_buffers: int):
+    """testbed.services.dpu_services with a dataplane pool large enough for the job's slots, up to
+    one per owned partition (DOSA_BENCH_SLOTS)."""
     from testbed.services import ServiceSpec, dpu_services
 
     def fn(ctx):
         out = []
         for spec in dpu_services(ctx):
             if spec.name == "ctl" and ctx.mode == "xdp":
-                spec = ServiceSpec(spec.name, [*spec.argv, "--pool-slots", str(pool_slots)],
+                spec = ServiceSpec(spec.name, [*spec.argv, "--pool-buffers", str(pool_buffers)],
                                    spec.ready, spec.env)
             out.append(spec)
         return out
@@ -504,16 +504,15 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
     (``args.link_rate`` on the host links, ``cpu_split``: hosts on one core, the DPU on the other),
     every host reading its input from ``workdir`` (benchmarks.allreduce's work folder) when given.
     Every round's result is checked against the exact reference on every host."""
-    from control.alloc import pool_entries
+    from dataplane.loader import DEFAULT_POOL_BUFFERS
     from dosa.wire import DEFAULT_PARTITION_SIZE, PartitionMap
     from testbed.core import Testbed
 
     pm = PartitionMap(args.numel, DEFAULT_PARTITION_SIZE, args.dpus)
-    # room for every owned partition's slot (DOSA_BENCH_SLOTS up to all of them), each buffer
-    # with its touched list (docs/dataplane.md)
-    slots = max(1 << 22, pool_entries(len(pm.owned_by(0)), DEFAULT_PARTITION_SIZE))
+    # room for every owned partition's slot (DOSA_BENCH_SLOTS up to all of them: 2 buffers each)
+    bufs = max(DEFAULT_POOL_BUFFERS, 2 * len(pm.owned_by(0)))
     prefix = f"db{uuid.uuid4().hex[:5]}"
-    tb = Testbed(prefix=prefix, subnet="10.231.99.0/24", services=_services(slots),
+    tb = Testbed(prefix=prefix, subnet="10.231.99.0/24", services=_services(bufs),
                  state_dir=tempfile.mkdtemp(prefix="dosa-bench-state-"))
     res_dir = out_dir / path
     res_dir.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ def dp():
     from dataplane.maps import DataplaneMaps
 
     instance = f"test-{uuid.uuid4().hex[:8]}"
-    cfg = loader.LoadConfig(pool_slots=1 << 20, pstate_slots=4096, wstate_slots=1 << 16,
+    cfg = loader.LoadConfig(pool_buffers=256, pstate_slots=4096, wstate_slots=1 << 16,
                             ringbuf_pages=16)
     bpf = loader.load(instance, cfg, keep_bpf=True)
     maps = prog_fd = None

@@ -38,6 +38,7 @@ def _same(bcc_type, mine):
 @pytest.mark.parametrize("table,part,mine", [
     ("jobs", "Leaf", layout.Job), ("flows", "Key", layout.FlowKey), ("flows", "Leaf", layout.Flow),
     ("pstate", "Leaf", layout.PState), ("wstate", "Leaf", layout.WState),
+    ("pool", "Leaf", layout.Buf), ("settings", "Leaf", layout.Settings),
 ])
 def test_struct_matches_compiled(dp, table, part, mine):
     _same(getattr(dp.bpf[table.encode()], part), mine)

@@ -14,7 +14,7 @@ import pytest
 from dataplane.reasons import Counter
 from dataplane_harness import XDP_DROP, Harness
 from dosa import wire
-from dpu_fw import _merge
+from dpu_fw._results import extract_py
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(180)]
 
@@ -47,17 +47,17 @@ def words(n: int) -> int:
 
 
 def extraction_equals_the_scan(h, j, p, rnd):
-    buf = h.maps.buffer(j.job_id, p, rnd)
+    buf = np.ascontiguousarray(h.maps.buffer(j.job_id, p, rnd))
     lo = j.bounds(p)[0]
-    got = _merge.extract_listed(buf, *h.maps.touched(j.job_id, p, rnd, job=j), lo)
-    ref = _merge.extract_nonzero(buf, lo)
-    return all(np.array_equal(a, b) for a, b in zip(got[:2], ref[:2])) and got[2] == ref[2]
+    got = extract_py(buf, *h.maps.touched(j.job_id, p, rnd, job=j), lo)
+    nz = np.flatnonzero(buf)
+    return np.array_equal(got[0], lo + nz) and np.array_equal(got[1], buf[nz])
 
 
 def test_the_list_names_every_touched_entry_and_extracts_like_the_scan(h):
     rng = np.random.default_rng(11)
     j = h.job(workers=3, numel=1800, partition_size=512)
-    assert j.list_cap == 128 and j.pitch == 512 + 32
+    assert j.list_cap == 128
     touched, reserved = {}, {}
     for p in j.owned_partitions():
         lo, hi = j.bounds(p)
@@ -90,7 +90,7 @@ def test_a_packet_lists_its_offsets_in_whole_words(h):
     lst, count = listed(h, j, 0, 0)
     assert count == 8 and lst[:6].tolist() == [3, 5, 9, 17, 100, 200]
     assert extraction_equals_the_scan(h, j, 0, 0)
-    idx, sums, _ = _merge.extract_listed(h.maps.buffer(j.job_id, 0, 0), lst, count, 0)
+    idx, sums = extract_py(np.ascontiguousarray(h.maps.buffer(j.job_id, 0, 0)), lst, count, 0)
     assert idx.tolist() == [3, 5, 9, 17, 100, 200] and sums.tolist() == [1, 7, 2, 3, 4, -4]
 
 
@@ -120,14 +120,13 @@ def test_a_sum_that_cancels_to_zero_is_listed_and_not_extracted(h):
     assert count == 12 and {3, 10} <= set(lst.tolist())
     buf = h.maps.buffer(j.job_id, 0, 0)
     assert buf[3] == 7 and buf[10] == 0 and np.count_nonzero(buf) == 1
-    idx, sums, _ = _merge.extract_listed(buf, lst, count, 0)
+    idx, sums = extract_py(np.ascontiguousarray(buf), lst, count, 0)
     assert idx.tolist() == [3] and sums.tolist() == [7]
 
 
 def test_an_overflowing_list_keeps_counting_and_writes_nothing_past_its_capacity(h):
     rng = np.random.default_rng(12)
     j = h.job(workers=2, numel=2 * 256, partition_size=256, list_cap=8)
-    assert j.pitch == 256 + 2
     before = h.maps.pool.copy()
     ref = np.zeros(256, np.int64)
     first = None
@@ -139,9 +138,11 @@ def test_an_overflowing_list_keeps_counting_and_writes_nothing_past_its_capacity
     lst, count = listed(h, j, 0, 0)
     assert count > 8 and len(lst) == 8
     assert lst[:6].tolist() == first.tolist()  # the first packet's reservation fit; the next did not
-    changed = set(np.flatnonzero(h.maps.pool != before).tolist())
-    buf0 = j.pool_off  # partition 0, round 0: slot 0, parity 0
-    assert changed <= set(range(buf0, buf0 + 256 + 2))  # its sums and its 2 list entries only
+    b = j.pool_off  # partition 0, round 0: slot 0, parity 0
+    changed = np.flatnonzero(h.maps.pool["sums"] != before["sums"])
+    assert set(changed.tolist()) <= set(range(b * 65536, b * 65536 + 256))  # its sums only
+    changed = np.flatnonzero(h.maps.pool["list"].view(np.uint16) != before["list"].view(np.uint16))
+    assert set(changed.tolist()) <= set(range(b * 16384, b * 16384 + 8))  # its 8 list positions only
     # an overflowed list is not read: the extraction scans the buffer and gives the same result
     assert extraction_equals_the_scan(h, j, 0, 0)
 
@@ -176,7 +177,7 @@ def test_advance_resets_the_cleared_parity_s_count(h):
 
 def test_a_job_without_lists_keeps_none(h):
     j = h.job(workers=1, numel=256, partition_size=256, list_cap=0)
-    assert j.pitch == j.stride == 256
+    assert j.list_cap == 0 and j.stride == 256
     h.run(sparse_frame(j, 0, 0, 0, 0, [1, 2], [3, 4]))
     assert h.maps.touched(j.job_id, 0, 0) is None
     assert int(h.maps.pstate[j.pstate_off]["touched"][0]) == 0

@@ -124,11 +124,15 @@ def test_only_owned_partitions_are_merged_on_a_two_dpu_job(h):
         assert np.array_equal(h.maps.buffer(j.job_id, p, 0), ref[p])
 
 
-def test_extreme_values_accumulate_in_64_bits(h):
+def test_sums_past_the_s32_range_saturate_and_are_counted(h):
+    """Hosts keep values within the clip bound, so no sum leaves s32; a host that does not gets its
+    sums held at +-(2^31 - 1) (the slow path, xdp_dosa_saturate), never wrapped, and counted."""
     j = h.job(workers=2, numel=10, partition_size=10)
     big = 2**31 - 1
-    h.run_all(h.data(j, 0, 0, 0, [0, 1], [big, -2**31]) + h.data(j, 1, 0, 0, [0, 1], [big, -2**31]))
-    assert list(h.maps.buffer(j.job_id, 0, 0)[:2]) == [2 * big, -2**32]
+    h.run_all(h.data(j, 0, 0, 0, [0, 1, 2], [big, -2**31, 5]) + h.data(j, 1, 0, 0, [0, 1, 2], [big, -2**31, 6]))
+    assert list(h.maps.buffer(j.job_id, 0, 0)[:3]) == [big, -big, 11]
+    assert h.counters()[Counter.SATURATED_SUMS] == 3  # -2^31 alone is past the bound, then twice
+    assert h.maps.poll_completions(0) == [Completion(j.job_id, 0, 0, 0)]
 
 
 def test_dense_blocks_and_sparse_entries_mix_in_one_contribution(h):
@@ -139,7 +143,7 @@ def test_dense_blocks_and_sparse_entries_mix_in_one_contribution(h):
     ref = np.zeros(1000, np.int64)
     frames = []
     for w in range(2):
-        dense_vals = rng.integers(-2**31, 2**31 - 1, 700)  # [0, 700) in two dense blocks
+        dense_vals = rng.integers(-2**30, 2**30, 700)  # [0, 700) in two dense blocks
         np.add.at(ref, np.arange(700), dense_vals)
         idx = np.sort(rng.choice(np.arange(700, 1000), 150, replace=False))
         val = rng.integers(-1000, 1000, 150)

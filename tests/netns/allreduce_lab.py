@@ -115,7 +115,7 @@ class Lab:
         self._wait_bound(self.dpu_ns[d], PORT, p)
         return p
 
-    def start_control(self, d: int, mode: str = "xdp", pool_slots: int | None = None) -> subprocess.Popen:
+    def start_control(self, d: int, mode: str = "xdp", pool_buffers: int | None = None) -> subprocess.Popen:
         """The control plane of DPU d (``dosa ctl serve``): attaches the XDP dataplane to the DPU's
         eth0 under a pin directory of its own and serves the join API."""
         pin = f"/sys/fs/bpf/dosatest-{uuid.uuid4().hex[:8]}-d{d}"
@@ -124,7 +124,7 @@ class Lab:
         argv = [*_in_ns(self.dpu_ns[d]), sys.executable, "-m", "dosa", "ctl", "serve",
                 "--instance", pin, "--iface", "eth0", "--addr", a, "--listen", f"{a}:{CONTROL_PORT}",
                 "--port", str(PORT), "--mode", mode, "--secret-file", self.dpu_secret,
-                *(["--pool-slots", str(pool_slots)] if pool_slots else [])]
+                *(["--pool-buffers", str(pool_buffers)] if pool_buffers else [])]
         log = open(self.tmp / f"ctl{d}.log", "a")
         p = subprocess.Popen(argv, cwd=ROOT, env=self._env(), stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)

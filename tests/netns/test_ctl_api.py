@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(240)]
 
-SMALL = dict(pool_slots=1 << 16, pstate_slots=256, wstate_slots=4096, max_jobs=8, max_flows=256)
+SMALL = dict(pool_buffers=16, pstate_slots=256, wstate_slots=4096, max_jobs=8, max_flows=256)
 ADDRS = ("127.0.0.1", "127.0.0.2")
 
 

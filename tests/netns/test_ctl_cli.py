@@ -28,7 +28,7 @@ def test_ctl_lifecycle_and_stats_json(netns_factory):
     inst = f"clitest-{uuid.uuid4().hex[:6]}"
     common = ["--instance", inst]
     try:
-        dosa("ctl", "attach", "--iface", "v0", "--netns", ns, "--pool-slots", "65536",
+        dosa("ctl", "attach", "--iface", "v0", "--netns", ns, "--pool-buffers", "16",
              "--pstate-slots", "256", "--wstate-slots", "4096", *common)
         out = dosa("ctl", "job", "add", "--job", "3", "--workers", "2", "--numel", "5000",
                    "--partition-size", "1000", *common).stdout

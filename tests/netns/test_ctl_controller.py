@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(240)]
 
-SMALL = dict(pool_slots=1 << 16, pstate_slots=64, wstate_slots=1024, max_jobs=4, max_flows=64)
+SMALL = dict(pool_buffers=16, pstate_slots=64, wstate_slots=1024, max_jobs=4, max_flows=64)
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +40,13 @@ def test_jobs_get_disjoint_regions_and_admission_refuses_when_full(clean):
 
     a = clean.add_job(1, workers=2, numel=20000, partition_size=8192)  # 3 partitions x2 x8192
     b = clean.add_job(2, workers=4, numel=10000, partition_size=4096, num_dpus=2, dpu_index=1)
-    # a buffer is its sums plus its touched list (stride / 4 u16 offsets = stride / 16 entries)
-    assert a.pool_len == 3 * 2 * (8192 + 512) and b.num_owned == 1 and b.pool_len == 2 * (4096 + 256)
+    # two buffers a slot, whatever the partition size (each holds up to 65536 sums and their list)
+    assert a.pool_len == 3 * 2 and b.num_owned == 1 and b.pool_len == 2
     ra = range(a.pool_off, a.pool_off + a.pool_len)
     rb = range(b.pool_off, b.pool_off + b.pool_len)
     assert not set(ra) & set(rb)
     with pytest.raises(AdmissionError, match="aggregation slots"):
-        clean.add_job(3, workers=2, numel=65536, partition_size=65536)
+        clean.add_job(3, workers=2, numel=6 * 65536, partition_size=65536)  # 12 of 16 - 8 left
     clean.remove_job(1)  # its region is free again and reused
     c = clean.add_job(3, workers=2, numel=20000, partition_size=8192)
     assert c.pool_off == a.pool_off
@@ -95,7 +95,7 @@ def test_workers_and_restart_sees_live_state(clean):
         again.remove_worker(7, 0)
     assert clean.workers(7) == {(7, 2): ("10.1.0.3", 17792)}
     clean.remove_job(7)  # flows and memory go with it
-    assert clean.workers() == {} and not np.any(clean.maps.pool[:1000])
+    assert clean.workers() == {} and not np.any(clean.maps.pool["sums"][:2])
 
 
 def test_stats_names_every_drop_reason(clean):

@@ -70,7 +70,7 @@ def test_real_traffic_merges_exactly_and_teardown_leaves_nothing():
     with lab() as (h, d):
         ctl = Controller(inst)
         try:
-            ctl.attach("eth0", netns=d, config=LoadConfig(pool_slots=1 << 18, pstate_slots=256,
+            ctl.attach("eth0", netns=d, config=LoadConfig(pool_buffers=32, pstate_slots=256,
                                                          wstate_slots=4096))
             ctl.add_job(9, workers=2, numel=40000, partition_size=10000)
             for w in range(2):
@@ -145,7 +145,7 @@ def test_largest_mtu_frames_through_native_xdp_on_veth():
             subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "mtu", str(mtu)], check=True)
         ctl = Controller(inst)
         try:
-            ctl.attach("eth0", netns=d, config=LoadConfig(pool_slots=1 << 19, pstate_slots=256,
+            ctl.attach("eth0", netns=d, config=LoadConfig(pool_buffers=64, pstate_slots=256,
                                                          wstate_slots=4096))
             numel = 150000
             ctl.add_job(11, workers=2, numel=numel, partition_size=65536)

@@ -1,7 +1,7 @@
 """A job many times larger than the DPU's aggregation pool runs exact through the XDP dataplane:
-the pool is shrunk (`dosa ctl serve --pool-slots`) to 32768 s64 entries, the job has 400k entries
-(12x the pool; one buffer pair per partition would need 802816 entries, 24x), and holds 2
-aggregation slots of 4096 sums (17408 entries with their touched lists). Hosts join through the control plane, which
+the pool is shrunk (`dosa ctl serve --pool-buffers`) to 7 buffers, the job has 400k entries in 98
+partitions (one buffer pair per partition would need 196 buffers, 28x the pool), and holds 2
+aggregation slots (4 buffers). Hosts join through the control plane, which
 refuses a window that can never fit (507, with the numbers) and makes one that fits once another
 job ends wait (503, retried by the joiners). Real namespaces, real XDP, real hosts."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from allreduce_lab import Lab
 
 pytestmark = [pytest.mark.root]
 
-POOL = 1 << 15
+POOL = 7
 PSIZE = 4096
 NUMEL = 400_000
 
@@ -34,7 +34,7 @@ def lab():
     lab = None
     try:
         lab = Lab(make, hosts=3, dpus=1, subnet="10.231.9")
-        lab.start_control(0, "xdp", pool_slots=POOL)
+        lab.start_control(0, "xdp", pool_buffers=POOL)
         lab.workers = [lab.start_dpu_control(0, "xdp")]
         yield lab
     finally:
@@ -73,7 +73,7 @@ def test_a_job_twelve_times_the_pool_is_exact(lab, job_id, loss, dup):
         c = {k: v - before[k] for k, v in dp.counters().items()}
         job = dp.job_info(job_id)
     if job is not None:  # (the lifecycle may already have released it)
-        assert job.slots == 2 and job.pool_len == 2 * 2 * (PSIZE + PSIZE // 16)  # + touched lists
+        assert job.slots == 2 and job.pool_len == 2 * 2
     assert c["completions"] == 4 * -(-NUMEL // PSIZE)
     if not (loss or dup):
         # hosts never send a partition whose slot is still held, and nothing arrives late
@@ -87,13 +87,13 @@ def test_a_window_that_can_never_fit_is_refused_with_the_numbers(lab):
         *lab.control_args(job_id=63, numel=NUMEL, partition_size=PSIZE, slots=8)])
     for r in res:
         err = r.get("error", "")
-        assert "job 63 needs 8 aggregation slots" in err and "69632 pool entries" in err, r
+        assert "job 63 needs 8 aggregation slots" in err and "16 pool buffers" in err, r
         assert "can never fit" in err and "at most 3 slots" in err, r
 
 
 @pytest.mark.timeout(180)
 def test_a_job_that_fits_once_another_ends_waits_for_it(lab):
-    """Job 64 holds 3 slots (26112 of the pool's 32768 entries); job 65 (2 slots, 17408 entries)
+    """Job 64 holds 3 slots (6 of the pool's 7 buffers); job 65 (2 slots, 4 buffers)
     is refused with a 503 (the message naming job 64 is checked in tests/unit/test_alloc.py and
     test_join_wait.py), its hosts wait (retrying the join), and once job 64 is removed they run
     exact."""
@@ -102,7 +102,7 @@ def test_a_job_that_fits_once_another_ends_waits_for_it(lab):
     from control.controller import Controller
 
     with Controller(lab.pin_dirs[0]) as ctl:
-        ctl.add_job(64, workers=1, numel=NUMEL, partition_size=PSIZE, slots=3)  # 26112 of 32768
+        ctl.add_job(64, workers=1, numel=NUMEL, partition_size=PSIZE, slots=3)  # 6 of 7 buffers
         try:
             ps = lab.start_hosts(None, extra=[
                 "--rounds", "2", "--nnz", "4000", "--timeout", "30",

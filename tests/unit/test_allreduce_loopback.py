@@ -178,10 +178,13 @@ def test_dead_dpu_is_named_not_a_stale_worker_list(cluster):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["sum", "gtopk"])
 def test_a_result_rebuilt_for_an_ask_is_the_fanned_out_one_byte_for_byte(cluster, mode):
-    """An ask can reach the DPU before it has handled the completion (the shadow copy does not
-    exist yet): the result it then builds from the buffer must be the same bytes as the fan-out
-    that follows, or a capture holds two different copies of one packet (capture verify:
-    conflicting_copies)."""
+    """An ask is answered by rebuilding the result from the buffer (the shadow copy): the bytes
+    must be the fan-out's, or a capture holds two different copies of one packet (capture verify:
+    conflicting_copies). Every partition's rebuilt result is byte for byte what the packetizer
+    builds from the result the hosts received."""
+    from dosa.packetizer import packetize_results
+    from dosa.wire import Flags
+
     job, cs = cluster(mode=mode, dpus=1)
     rng = np.random.default_rng(7)
     ins = [(np.unique(rng.choice(job.numel, 3000, replace=False)).astype(np.uint32), None) for _ in cs]
@@ -190,17 +193,19 @@ def test_a_result_rebuilt_for_an_ask_is_the_fanned_out_one_byte_for_byte(cluster
     assert errs == [None] * len(cs)
     (ws, _, _), = cluster.made
     rt = ws[0].jobs[job.job_id]
+    idx, sums = out[0]
     checked = 0
-    for (lp, rnd), shadow in list(rt.shadow.items()):
-        batch, a, b = shadow[:3]
-        fanned = batch.data[a:b].copy(), batch.lengths[a:b].copy()
-        del rt.shadow[(lp, rnd)]
-        rebuilt = rt.result(lp, rnd)
-        assert np.array_equal(rebuilt.lengths, fanned[1])
-        assert all(bytes(rebuilt.data[k, :rebuilt.lengths[k]]) == bytes(fanned[0][k, :fanned[1][k]])
-                   for k in range(len(rebuilt))), (lp, rnd)
+    for lp, p in enumerate(rt.owned.tolist()):
+        data, lengths = rt.engine.result(job.job_id, lp, 0)
+        a, b = np.searchsorted(idx, [p * job.partition_size, (p + 1) * job.partition_size])
+        ref = packetize_results(idx[a:b], sums[a:b], job.pmap, job_id=job.job_id, round=0, scale_exp=8,
+                                flags=int(Flags.GTOPK) if mode == "gtopk" else 0, partitions=[p],
+                                mtu=job.mtu)
+        assert np.array_equal(lengths, ref.lengths), (lp, p)
+        assert all(bytes(data[k, :lengths[k]]) == bytes(ref.data[k, :ref.lengths[k]])
+                   for k in range(len(lengths))), (lp, p)
         checked += 1
-    assert checked == rt.pmap.num_partitions
+    assert checked == job.pmap.num_partitions
 
 
 @pytest.mark.timeout(60)

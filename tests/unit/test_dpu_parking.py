@@ -8,11 +8,12 @@ import socket
 
 import pytest
 
-from dataplane.maps import Completion
+import numpy as np
+
+from dosa.job import JobConfig
 from dosa.packetizer import parse_batch
 from dosa.wire import PacketBatch, PacketType
-from dosa.job import JobConfig
-from dpu_fw import worker as worker_mod
+from dpu_fw import policy
 from dpu_fw.worker import DpuWorker
 
 pytestmark = pytest.mark.timeout(30)
@@ -45,41 +46,50 @@ def late_worker():
         s.close()
 
 
+def _complete(w, *records):
+    """Completion records reaching the worker's engine (as its ring would hand them), and what the
+    worker's step does with those of a job it does not serve: park them."""
+    w.engine.handle(records)
+    w.discovery.park(w.engine.take_unknown())
+
+
 def test_a_completion_before_discovery_is_handled_once_the_job_is_served(late_worker):
     w, job, found, hosts = late_worker
-    w._on_completions([Completion(job.job_id, 1, 0, job.scale_exp)])
-    assert w.stats["completion_unknown"] == 0 and job.job_id in w._parked
+    _complete(w, (job.job_id, 1, 0, job.scale_exp))
+    assert w.discovery.stats["completion_unknown"] == 0 and job.job_id in w.discovery.parked
     found.append(job)
-    w._next_discover = 0.0
+    w.discovery._next = 0.0
     w._discover()
-    assert job.job_id in w.jobs and job.job_id in w._parked
-    # the sums the dataplane merged for partition 1, round 0 (parity 0), before the event came
+    assert job.job_id in w.jobs and job.job_id in w.discovery.parked
+    # the sums the dataplane merged for partition 1, round 0, and its touched list, before the
+    # event came
     rt = w.jobs[job.job_id]
-    lp = int(rt.local_of[1])
-    rt.backend.state.scale_of[lp, 0] = job.scale_exp
-    rt.backend.state.buf[lp, 0, [0, 7]] = [5, -3]
-    w._unpark()
-    assert not w._parked and w.stats["completion_parked"] == 1 and w.stats["completions"] == 1
-    assert w.stats["completion_unknown"] == 0
+    slot, gen = rt.state.occupant(int(rt.local_of[1]), 0)
+    b = rt.state.bufs[slot * 2 + (gen & 1)]
+    b["sums"][[0, 7]] = [5, -3]
+    b["list"].view(np.uint16)[:4] = [0, 7, 7, 0]
+    rt.state.pstate["touched"][slot, gen & 1] = 4
+    w.engine.handle(w.discovery.unpark(w.jobs))
+    assert not w.discovery.parked and w.discovery.stats["completion_parked"] == 1
+    assert rt.counters()["completions"] == 1 and w.discovery.stats["completion_unknown"] == 0
     for s in hosts:  # every host got the partition's result without asking for it
-        b = PacketBatch.from_packets([s.recv(4096)])
-        r = parse_batch(b)
+        r = parse_batch(PacketBatch.from_packets([s.recv(4096)]))
         assert r.headers["type"][0] == PacketType.SPARSE_RESULT and r.headers["partition"][0] == 1
         assert r.indices.tolist() == [8192, 8199] and r.values.tolist() == [5, -3]
 
 
 def test_completions_of_a_job_never_served_are_counted_lost_after_a_while(late_worker, monkeypatch):
     w, job, found, hosts = late_worker
-    w._on_completions([Completion(77, 0, 0, 8), Completion(77, 1, 0, 8)])
-    w._unpark()
-    assert w.stats["completion_unknown"] == 0 and 77 in w._parked  # still within PARKED_S
-    monkeypatch.setattr(worker_mod, "PARKED_S", 0.0)
-    w._unpark()
-    assert w.stats["completion_unknown"] == 2 and not w._parked
+    _complete(w, (77, 0, 0, 8), (77, 1, 0, 8))
+    w.discovery.unpark(w.jobs)
+    assert w.discovery.stats["completion_unknown"] == 0 and 77 in w.discovery.parked  # within PARKED_S
+    monkeypatch.setattr(policy, "PARKED_S", 0.0)
+    assert w.discovery.unpark(w.jobs) == []
+    assert w.discovery.stats["completion_unknown"] == 2 and not w.discovery.parked
 
 
 def test_parking_is_bounded(late_worker, monkeypatch):
     w, job, found, hosts = late_worker
-    monkeypatch.setattr(worker_mod, "PARKED_MAX", 3)
-    w._on_completions([Completion(77, p, 0, 8) for p in range(5)])
-    assert len(w._parked[77][1]) == 3 and w.stats["completion_unknown"] == 2
+    monkeypatch.setattr(policy, "PARKED_MAX", 3)
+    _complete(w, *[(77, p, 0, 8) for p in range(5)])
+    assert len(w.discovery.parked[77][1]) == 3 and w.discovery.stats["completion_unknown"] == 2

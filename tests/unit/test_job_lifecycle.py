@@ -14,7 +14,7 @@ import pytest
 from control.api import ControlServer, ControlService
 from dosa.errors import DosaError
 from dosa.join import request
-from dpu_fw.cli import _control_discovery
+from dpu_fw.discovery import control_discovery
 from dpu_fw.worker import DpuWorker
 from host_lib.client import AggregationClient, MissingWorkersError
 from host_lib.membership import StaleJobError
@@ -43,7 +43,7 @@ def plane():
         srv = ControlServer(svc, "127.0.0.1", 0).start()
         ctl = ("127.0.0.1", srv.port)
         w = DpuWorker([], 0, mode="userspace", bind=("127.0.0.1", dport),
-                      discover=_control_discovery(ctl, ("127.0.0.1", dport)))
+                      discover=control_discovery(ctl, ("127.0.0.1", dport)))
         t = threading.Thread(target=w.run, daemon=True)
         t.start()
         made.append((srv, w, t))

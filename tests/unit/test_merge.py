@@ -1,73 +1,75 @@
-"""The DPU merge kernels and the userspace merge state machine (dpu_fw._merge, dpu_fw.userspace):
-the dataplane's rules (docs/protocol.md) applied to real packets built by dosa.packetizer."""
+"""The userspace merge (dpu_fw/_softmerge.pyx): the dataplane's rules, run by a userspace DPU
+worker on its own state (the dataplane's layout), fed packetized contributions as if received.
+The XDP program applies the same rules (tests/dataplane): the verdicts are the same counters."""
 from __future__ import annotations
+
+import socket
 
 import numpy as np
 import pytest
 
-from dosa.wire import PartitionMap
-from dpu_fw import _merge
-from dpu_fw.userspace import VERDICTS, MergeState, top_k_abs
-from dosa.packetizer import packetize, parse_batch
+from dosa.counters import Counter
+from dosa.job import JobConfig
+from dosa.packetizer import packetize
+from dosa.wire import PacketBatch
+from dpu_fw.worker import DpuWorker
+
+pytestmark = pytest.mark.timeout(60)
 
 
-def test_scatter_add_matches_numpy_and_reports_out_of_range():
-    rng = np.random.default_rng(0)
-    buf = np.zeros(1000, np.int64)
-    idx = rng.integers(0, 2000, 5000).astype(np.uint32)
-    val = rng.integers(-2**31 + 1, 2**31 - 1, 5000).astype(np.int32)
-    nbad = _merge.scatter_add(buf, idx, val, 500)
-    exp = np.zeros(2000, np.int64)
-    inside = (idx >= 500) & (idx < 1500)
-    np.add.at(exp, idx[inside].astype(np.int64), val[inside].astype(np.int64))
-    assert nbad == int((~inside).sum()) > 0
-    assert np.array_equal(buf, exp[500:1500])
-
-
-def test_scatter_add_rejects_length_mismatch():
-    with pytest.raises(ValueError):
-        _merge.scatter_add(np.zeros(4, np.int64), np.zeros(2, np.uint32), np.zeros(3, np.int32), 0)
-
-
-def test_extract_nonzero_and_saturation():
-    buf = np.zeros(100, np.int64)
-    buf[[3, 50, 99]] = [5, -(2**40), 2**31 - 1]
-    idx, sums, nsat = _merge.extract_nonzero(buf, 1000)
-    assert idx.tolist() == [1003, 1050, 1099]
-    assert sums.tolist() == [5, -(2**31 - 1), 2**31 - 1]
-    assert nsat == 1
-    _merge.clear_indices(buf, idx, 1000)
-    assert not buf.any()
-
-
-def test_top_k_abs_is_deterministic_on_ties():
-    idx = np.arange(10, dtype=np.uint32)
-    sums = np.array([1, -5, 5, 3, -5, 0, 2, 5, 1, 4], np.int32)
-    i, s = top_k_abs(idx, sums, 4)
-    assert i.tolist() == [1, 2, 4, 7] and s.tolist() == [-5, 5, -5, 5]
-    i, s = top_k_abs(idx, sums, 5)
-    assert i.tolist() == [1, 2, 4, 7, 9]
-    assert top_k_abs(idx, sums, 20)[0].tolist() == idx.tolist()
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Dpu:
-    """One DPU's MergeState for a job, fed with packetized contributions."""
+    """A userspace DPU worker of one job (its hosts on loopback ports nobody reads), fed batches
+    through its merge as if they came from the job's hosts."""
 
-    def __init__(self, numel=3000, psize=1000, workers=3, ndpus=1, dpu=0, state_dir=None):
-        self.pmap = PartitionMap(numel, psize, ndpus)
-        owned = self.pmap.owned_by(dpu)
-        self.local = {int(p): i for i, p in enumerate(owned)}
-        lo = owned * psize
-        self.st = MergeState(owned, lo, np.minimum(lo + psize, numel), workers, psize, state_dir)
-        self.workers = workers
+    def __init__(self, numel=3000, psize=1000, workers=3, state_dir=None, port=None):
+        self.port = port or _free_port()
+        self.job = JobConfig(job_id=1, numel=numel, hosts=[("127.0.0.1", 40000 + w) for w in range(workers)],
+                             dpus=[("127.0.0.1", self.port)], partition_size=psize, scale_exp=8)
+        self.pmap = self.job.pmap
+        self.w = DpuWorker([self.job], 0, mode="userspace", state_dir=state_dir)
+        self.rt = self.w.jobs[1]
 
-    def feed(self, batch):
-        ps = parse_batch(batch)
-        h = ps.headers
-        lp = np.array([self.local[int(p)] for p in h["partition"]], np.int64)
-        v, comps = self.st.merge(lp, h["round"], h["worker_id"], h["seq"], h["total"], h["count"],
-                                 h["scale_exp"], ps.indices, ps.values, ps.offsets[:-1])
-        return [VERDICTS[x] for x in v], comps
+    def feed(self, batch: PacketBatch, worker: int | None = None):
+        """Verdict names of the batch's packets (from the worker in their headers, or ``worker``)."""
+        ws = batch.headers()["worker_id"].astype(np.int64) if worker is None else np.full(len(batch), worker)
+        ip = np.full(len(batch), int.from_bytes(socket.inet_aton("127.0.0.1"), "little"), np.uint32)
+        port = np.array([socket.htons(40000 + int(w)) for w in ws], np.uint16)
+        v, _ = self.w.soft.merge_batch(np.ascontiguousarray(batch.data), batch.lengths, ip, port)
+        return [Counter(int(x)).name.lower() for x in v]
+
+    def sums(self, p: int, rnd: int) -> np.ndarray:
+        st = self.rt.state
+        slot, g = st.occupant(int(self.rt.local_of[p]), rnd)
+        lo, hi = self.pmap.bounds(p)
+        return st.bufs["sums"][slot * 2 + (g & 1), :hi - lo]
+
+    def counters(self) -> dict:
+        return self.w.job_stats()[1]
+
+    def completions(self) -> int:
+        return self.counters().get("completions", 0)
+
+    def close(self):
+        self.w.close()
+
+
+@pytest.fixture
+def dpu():
+    made = []
+
+    def make(**kw):
+        made.append(Dpu(**kw))
+        return made[-1]
+
+    yield make
+    for d in made:
+        d.close()
 
 
 def contribution(pmap, w, rnd, nnz=400, scale=8, seed=0):
@@ -77,79 +79,85 @@ def contribution(pmap, w, rnd, nnz=400, scale=8, seed=0):
     return idx, q, packetize(idx, q, pmap, job_id=1, worker_id=w, round=rnd, scale_exp=scale)
 
 
-def test_round_completes_once_with_the_exact_sum_and_ignores_duplicates():
-    d = Dpu()
+def test_round_completes_once_with_the_exact_sum_and_ignores_duplicates(dpu):
+    d = dpu()
     exp = np.zeros(d.pmap.numel, np.int64)
-    comps_all = []
     for w in range(3):
         idx, q, b = contribution(d.pmap, w, 0)
         np.add.at(exp, idx.astype(np.int64), q)
-        v, comps = d.feed(b)
-        assert set(v) == {"merged"}
-        comps_all += comps
-        v, comps = d.feed(b)  # the same packets again
-        comps_all += comps
-        assert set(v) == ({"pass_dup_of_complete"} if w == 2 else {"duplicate"})
-    assert sorted(comps_all) == [(0, 0), (1, 0), (2, 0)]
+        assert set(d.feed(b)) == {"merged"}
+        assert set(d.feed(b)) == ({"pass_dup_of_complete"} if w == 2 else {"duplicate"})
+    assert d.completions() == 3
     for p in range(3):
-        assert np.array_equal(d.st.buffer(p, 0), exp[p * 1000:(p + 1) * 1000])
-        assert d.st.is_complete(p, 0) and d.st.missing_workers(p, 0) == []
+        assert np.array_equal(d.sums(p, 0), exp[p * 1000:(p + 1) * 1000])
+        assert d.rt.state.is_complete(p, 0) and d.rt.state.missing_workers(p, 0) == []
 
 
-def test_completion_needs_every_worker_and_missing_ones_are_named():
-    d = Dpu()
+def test_completion_needs_every_worker_and_missing_ones_are_named(dpu):
+    d = dpu()
     for w in (0, 2):
         d.feed(contribution(d.pmap, w, 0)[2])
-    assert not d.st.is_complete(0, 0)
-    assert d.st.missing_workers(0, 0) == [1]
+    assert not d.rt.state.is_complete(0, 0) and d.completions() == 0
+    assert d.rt.state.missing_workers(0, 0) == [1]
 
 
-def test_round_window_and_advance_clear_the_old_parity():
-    d = Dpu(numel=1000, psize=1000)
+def test_the_next_round_settles_the_previous_one_and_the_window_moves(dpu):
+    d = dpu(numel=1000, psize=1000)
     for w in range(3):
         d.feed(contribution(d.pmap, w, 0)[2])
-    v, _ = d.feed(contribution(d.pmap, 0, 2)[2])
-    assert set(v) == {"round_too_new"}
-    comps = []
+    assert set(d.feed(contribution(d.pmap, 0, 2)[2])) == {"round_too_new"}
     for w in range(3):
-        comps += d.feed(contribution(d.pmap, w, 1)[2])[1]
-    assert comps == [(0, 1)]
-    d.st.advance(0, 1)
-    assert d.st.base_round[0] == 1
-    assert not d.st.buffer(0, 0).any() and not d.st.seen[0, 0].any()
-    v, _ = d.feed(contribution(d.pmap, 1, 0)[2])
-    assert set(v) == {"round_too_old"}
-    v, _ = d.feed(contribution(d.pmap, 1, 2)[2])  # parity 0 again, now cleared and accepted
-    assert set(v) == {"merged"}
+        d.feed(contribution(d.pmap, w, 1)[2])
+    st = d.rt.state
+    assert st.base(0) == 1  # round 1's completion settled round 0 before its result went out
+    assert not d.sums(0, 0).any() and not st.wstate[:3]["seen"].any()  # parity 0 cleared
+    assert set(d.feed(contribution(d.pmap, 1, 0)[2])) == {"round_too_old"}
+    assert set(d.feed(contribution(d.pmap, 1, 2)[2])) == {"merged"}  # parity 0 again, accepted
 
 
-def test_scale_total_and_index_violations_are_rejected():
-    d = Dpu(numel=1000, psize=1000)
+def test_scale_total_and_index_violations_are_rejected(dpu):
+    d = dpu(numel=1000, psize=1000)
     d.feed(contribution(d.pmap, 0, 0, scale=8)[2])
-    v, _ = d.feed(contribution(d.pmap, 1, 0, scale=9)[2])
-    assert set(v) == {"scale_mismatch"}
+    assert set(d.feed(contribution(d.pmap, 1, 0, scale=9)[2])) == {"scale_mismatch"}
     # total mismatch: worker 2 announces 3 packets, then sends a seq 1 claiming total 2
     idx, q, b = contribution(d.pmap, 2, 0, nnz=500)
     d.feed(b.select(np.array([True, False, False])))
     _, _, b1 = contribution(d.pmap, 2, 0, nnz=300)
-    v, _ = d.feed(b1.select(np.array([False, True])))
-    assert v == ["total_mismatch"]
+    assert d.feed(b1.select(np.array([False, True]))) == ["total_mismatch"]
     # an index outside the partition (a hand-edited packet) drops the whole packet
-    d2 = Dpu(numel=2000, psize=1000)
+    d2 = dpu(numel=2000, psize=1000)
     _, _, b = contribution(d2.pmap, 0, 0, nnz=20)
     first = b.select(np.array([0]))
     first.data[0, 32:36] = np.frombuffer(np.array([1500], ">u4").tobytes(), np.uint8)
-    v, _ = d2.feed(first)
-    assert v == ["index_out_of_partition"]
-    assert not d2.st.buffer(0, 0).any()
+    assert d2.feed(first) == ["index_out_of_partition"]
+    assert not d2.sums(0, 0).any()
 
 
-def test_state_in_files_survives_a_restart(tmp_path):
-    d = Dpu(state_dir=str(tmp_path))
+def test_a_packet_from_another_source_or_worker_is_refused(dpu):
+    d = dpu(numel=1000, psize=1000)
+    _, _, b = contribution(d.pmap, 0, 0)
+    assert set(d.feed(b, worker=1)) == {"bad_source"}  # worker 0's packets from worker 1's port
+    b.data[:, 12:14] = np.frombuffer(np.array([7], ">u2").tobytes(), np.uint8)
+    assert set(d.feed(b, worker=0)) == {"unknown_worker"}
+    assert not d.sums(0, 0).any()
+
+
+def test_sums_saturate_at_the_s32_bound_and_are_counted(dpu):
+    d = dpu(numel=1000, psize=1000, workers=2)
+    big = np.array([2**31 - 1, -(2**31 - 1), 5], np.int32)
+    idx = np.array([3, 4, 5], np.uint32)
+    for w in range(2):
+        d.feed(packetize(idx, big, d.pmap, job_id=1, worker_id=w, round=0, scale_exp=8))
+    assert d.sums(0, 0)[[3, 4, 5]].tolist() == [2**31 - 1, -(2**31 - 1), 10]
+    assert d.counters()["saturated_sums"] == 2
+
+
+def test_state_in_files_survives_a_restart(tmp_path, dpu):
+    d = dpu(state_dir=str(tmp_path))
     for w in range(2):
         d.feed(contribution(d.pmap, w, 0)[2])
-    del d
-    d = Dpu(state_dir=str(tmp_path))
-    assert d.st.resumed
-    v, comps = d.feed(contribution(d.pmap, 2, 0)[2])
-    assert set(v) == {"merged"} and len(comps) == 3
+    port = d.port
+    d.close()
+    d = dpu(state_dir=str(tmp_path), port=port)
+    assert set(d.feed(contribution(d.pmap, 0, 0)[2])) == {"duplicate"}  # worker 0's, remembered
+    assert set(d.feed(contribution(d.pmap, 2, 0)[2])) == {"merged"} and d.completions() == 3

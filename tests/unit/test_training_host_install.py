@@ -81,7 +81,7 @@ def test_host_side_installs_from_an_sdist_into_a_plain_venv_and_the_hook_ranks_p
 
     # the host's torch is kept, the DPU side's packages are not installed, the extensions are there
     run_dir.mkdir()
-    out = _run([py, "-c", "import torch, dosa, host_lib._engine, host_lib._select, dosa._net, dpu_fw._merge\n"
+    out = _run([py, "-c", "import torch, dosa, host_lib._engine, host_lib._select, dosa._net, dpu_fw._completion, dpu_fw._softmerge\n"
                 "import importlib.util as u\n"
                 "print(torch.__version__, dosa.__file__, u.find_spec('pyroute2') is None)"], run_dir, 120, env)
     version, where, no_pyroute2 = out.split()
