@@ -16,6 +16,8 @@ from pathlib import Path
 from dosa import wire
 from dosa.errors import DosaError
 
+#: the checkout the testbed runs (services and ranks start with their working directory here)
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PREFIX = "dosa"
 DEFAULT_SUBNET = "10.77.0.0/24"
 #: Environment variables that override the defaults (tests set DOSA_TESTBED_PREFIX).

@@ -26,7 +26,7 @@ from dosa.env import RankEnv
 from dosa.errors import DosaError
 from dosa.job import DPU_MODES, DpuMode
 
-from testbed import config, credentials, impair, ns, state
+from testbed import config, credentials, impair, ns, state, supervise
 from testbed.netlink import Netlink, netns_del
 from testbed.capture import CaptureStats, Tcpdump, WireFrames
 from testbed.config import BRIDGE, NODE_IFACE, Layout, Node, check_ranks_per_node
@@ -34,7 +34,6 @@ from testbed.runner import RankSpec, RunResult, run_ranks, torchrun_argv
 from testbed.services import CONTROL_PORT, DATA_PORT, DpuContext, ServiceSpec, dpu_services
 from testbed.shaping import Shaping
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 BRIDGE_MAC = "02:d0:5a:80:00:00"
 
 
@@ -59,7 +58,7 @@ class Testbed:
         self.run_dir = config.run_dir(self.prefix, self.state_dir)
         self.pin_dir = config.pin_dir(self.prefix)
         self.cred_dir = self.run_dir / "credentials"  # testbed/credentials.py: secret, TLS
-        self.services = services or _services_from_env() or dpu_services
+        self.services = services or supervise.services_from_env() or dpu_services
         #: show progress while ``up`` builds nodes and starts services (the CLI sets it; dosa.progress)
         self.progress = False
 
@@ -278,9 +277,9 @@ class Testbed:
             started = []
             for n, specs in per_dpu:
                 if k < len(specs):
-                    started.append(self._spawn_service(n, specs[k], st))
+                    started.append(supervise.spawn(n, specs[k], st, self.run_dir))
             state.save(self.state_path, st)
-            self._wait_ready(started, ready_timeout)
+            supervise.wait_ready(started, ready_timeout)
 
     def _track(self, items, desc: str, unit: str):
         """``items``, with a bar (terminal) or lines (log) when ``self.progress`` is set."""
@@ -289,41 +288,6 @@ class Testbed:
         from dosa.progress import track
 
         return track(items, desc, unit=unit)
-
-    def _spawn_service(self, node: Node, spec: ServiceSpec, st: dict):
-        log = self.run_dir / f"{node.name}-{spec.name}.log"
-        with open(log, "wb") as f:
-            try:
-                p = subprocess.Popen(ns.netns_cmd(node.namespace, spec.argv, st["dpu_cpus"]),
-                                     cwd=REPO_ROOT, env={**_own_env(), **spec.env},
-                                     stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-            except OSError as e:
-                raise DosaError(f"cannot start {spec.name} on {node.name}: {e}") from None
-        rec = {"name": f"{node.name}-{spec.name}", "node": node.name, "namespace": node.namespace,
-               "pid": p.pid, "start_time": ns.proc_start_time(p.pid), "argv": spec.argv,
-               "log": str(log), "ready": list(spec.ready) if spec.ready else None, "env": dict(spec.env)}
-        st["processes"].append(rec)
-        return p, rec
-
-    def _wait_ready(self, started, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        waiting = list(started)
-        while waiting:
-            for p, rec in list(waiting):
-                if p.poll() is not None:
-                    tail = _tail(rec["log"])
-                    raise DosaError(f"{rec['name']} exited with status {p.returncode} while starting"
-                                    f" ({' '.join(rec['argv'][:6])} ...): {tail}; log {rec['log']}")
-                if _probe(p.pid, rec["ready"]):
-                    waiting.remove((p, rec))
-            if not waiting:
-                return
-            if time.monotonic() > deadline:
-                names = ", ".join(r["name"] for _, r in waiting)
-                raise DosaError(f"{names} not ready after {timeout:g}s (probe "
-                                f"{waiting[0][1]['ready']}); see {waiting[0][1]['log']}")
-            time.sleep(0.05)
 
     # ------------------------------------------------------------------ down
     def down(self) -> dict:
@@ -504,26 +468,6 @@ class Testbed:
         return subprocess.Popen(ns.netns_cmd(self.namespace(node), list(argv), cpus), **popen_kw)
 
 
-def _own_env() -> dict:
-    """This process's environment without the credentials of another deployment it may carry:
-    a testbed's services use the testbed's own."""
-    return {k: v for k, v in os.environ.items() if k not in ("DOSA_SECRET_FILE", "DOSA_CONTROL_CA")}
-
-
-def _services_from_env():
-    """``DOSA_TESTBED_SERVICES=module:function`` replaces testbed.services.dpu_services (the tests
-    use it to supervise stand-in processes; a user can start a different DPU side)."""
-    spec = os.environ.get(config.ENV_SERVICES)
-    if not spec:
-        return None
-    mod, _, fn = spec.partition(":")
-    try:
-        import importlib
-        return getattr(importlib.import_module(mod), fn or "dpu_services")
-    except (ImportError, AttributeError) as e:
-        raise DosaError(f"{config.ENV_SERVICES}={spec!r} does not name a function: {e}") from None
-
-
 def split_cpus() -> tuple[list[int], list[int]]:
     """Disjoint CPU sets for hosts (first half) and DPUs (second half) of the CPUs we may use."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -531,22 +475,3 @@ def split_cpus() -> tuple[list[int], list[int]]:
         raise DosaError(f"--cpu-split needs at least 2 CPUs, this process may use {len(cpus)}")
     half = len(cpus) // 2
     return cpus[:half], cpus[half:]
-
-
-def _probe(pid: int, ready) -> bool:
-    if not ready:
-        return True
-    kind, arg = ready[0], ready[1]
-    if kind in ("tcp", "udp"):
-        return ns.listening(pid, int(arg), kind)
-    if kind == "file":
-        return os.path.exists(arg)
-    raise DosaError(f"unknown readiness probe {ready!r}")
-
-
-def _tail(path: str, lines: int = 1) -> str:
-    try:
-        text = Path(path).read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return "no log"
-    return " | ".join(text[-lines:]) if text else "no output"

@@ -13,7 +13,7 @@ import os
 
 from dosa.errors import DosaError
 
-from testbed import ns, state
+from testbed import ns, state, supervise
 from testbed.services import ServiceSpec
 
 SERVICES = ("dpu", "ctl")
@@ -47,9 +47,9 @@ def restart_service(tb, node: str, service: str = "dpu", ready_timeout: float = 
         except FileNotFoundError:
             pass
     st["processes"] = [r for r in st["processes"] if r is not old]
-    p, rec = tb._spawn_service(n, ServiceSpec(name=service, argv=list(old["argv"]), ready=ready,
-                                              env=dict(old.get("env") or {})), st)
+    p, rec = supervise.spawn(n, ServiceSpec(name=service, argv=list(old["argv"]), ready=ready,
+                                            env=dict(old.get("env") or {})), st, tb.run_dir)
     rec["restarts"] = int(old.get("restarts", 0)) + 1
     state.save(tb.state_path, st)
-    tb._wait_ready([(p, rec)], ready_timeout)
+    supervise.wait_ready([(p, rec)], ready_timeout)
     return rec

@@ -176,7 +176,7 @@ class SshLab:
         The run, log, pin and credential directories go under the testbed's own (removed by
         ``down``), so a deploy into the testbed never touches /run/dosa, /var/log/dosa, /etc/dosa
         or another instance."""
-        from testbed.core import REPO_ROOT
+        from testbed.config import REPO_ROOT
 
         st = self.tb.load_state()
         q = lambda s: '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'  # noqa: E731
