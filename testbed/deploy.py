@@ -122,7 +122,16 @@ def load_inventory(path: str | Path) -> Inventory:
              "control_port", "mode", "setup", "run_dir", "log_dir", "pin_root", "secret_dir", "tls"}
     if set(d) - known:
         raise bad(f"unknown key(s) in [deploy]: {', '.join(sorted(set(d) - known))}")
+    machines = _machines(data, bad)
+    o = _deploy_options(d, bad)
+    # a relative source is relative to the inventory file's directory
+    source = o.pop("source")
+    src = (path.parent / source).resolve() if not Path(source).is_absolute() else Path(source)
+    return Inventory(str(path), tuple(machines["hosts"]), tuple(machines["dpus"]), str(src), **o)
 
+
+def _machines(data: dict, bad) -> dict[str, list[Machine]]:
+    """The [[hosts]] and [[dpus]] tables: every machine named once, at its own IPv4 address."""
     machines: dict[str, list[Machine]] = {}
     names: set[str] = set()
     for role, key in (("host", "hosts"), ("dpu", "dpus")):
@@ -159,7 +168,12 @@ def load_inventory(path: str | Path) -> Inventory:
     dup = {a for a in addrs if addrs.count(a) > 1}
     if dup:
         raise bad(f"address(es) {', '.join(sorted(dup))} used by more than one machine")
+    return machines
 
+
+def _deploy_options(d: dict, bad) -> dict:
+    """The [deploy] table's options, checked, with their defaults: Inventory's keyword arguments
+    (and ``source``, as written)."""
     method = d.get("method", "rsync")
     if method not in ("rsync", "git"):
         raise bad(f"deploy.method must be rsync or git, not {method!r}")
@@ -197,12 +211,9 @@ def load_inventory(path: str | Path) -> Inventory:
     tls = d.get("tls", False)
     if not isinstance(tls, bool):
         raise bad(f"deploy.tls must be true or false, not {tls!r}")
-    # a relative source is relative to the inventory file's directory
-    src = (path.parent / source).resolve() if not Path(source).is_absolute() else Path(source)
-    return Inventory(str(path), tuple(machines["hosts"]), tuple(machines["dpus"]), str(src),
-                     remote_dir.rstrip("/"), method, git_url, str(d.get("git_ref", "main")),
-                     tuple(opts), ports["data_port"], ports["control_port"], mode, setup.strip(),
-                     **dirs, tls=tls)
+    return dict(source=source, remote_dir=remote_dir.rstrip("/"), method=method, git_url=git_url,
+                git_ref=str(d.get("git_ref", "main")), ssh_options=tuple(opts), **ports, mode=mode,
+                setup=setup.strip(), **dirs, tls=tls)
 
 
 def _ssh(inv: Inventory, m: Machine, remote: str) -> list[str]:
