@@ -37,7 +37,16 @@ def register(sub) -> None:
     p = sub.add_parser("ctl", help="control plane: attach the XDP dataplane, jobs, workers, counters")
     csub = p.add_subparsers(dest="ctl_cmd", metavar="CMD")
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+    _register_dataplane(csub)
+    _register_jobs(csub)
+    _register_workers(csub)
+    _register_stats(csub)
+    _register_serve(csub)
+    _register_secret(csub)
 
+
+def _register_dataplane(csub) -> None:
+    """``ctl attach`` / ``ctl detach``: the XDP dataplane on an interface."""
     a = csub.add_parser("attach", help="load (if needed) and attach the XDP dataplane to an interface")
     _common(a)
     a.add_argument("--iface", "--dev", dest="iface", required=True, help="network interface")
@@ -58,6 +67,9 @@ def register(sub) -> None:
     d.add_argument("--keep-state", action="store_true", help="keep the pinned maps (jobs, buffers)")
     d.set_defaults(func=cmd_detach)
 
+
+def _register_jobs(csub) -> None:
+    """``ctl job add | rm | ls``."""
     j = csub.add_parser("job", help="install / remove / list jobs")
     jsub = j.add_subparsers(dest="job_cmd", metavar="CMD")
     j.set_defaults(func=lambda a: (j.print_help(), 2)[1])
@@ -94,6 +106,9 @@ def register(sub) -> None:
                          "`dosa testbed exec dN` sets it) instead of reading the maps")
     jl.set_defaults(func=cmd_job_ls)
 
+
+def _register_workers(csub) -> None:
+    """``ctl worker add | rm``: a worker's flow."""
     w = csub.add_parser("worker", help="add / remove a worker flow")
     wsub = w.add_subparsers(dest="worker_cmd", metavar="CMD")
     w.set_defaults(func=lambda a: (w.print_help(), 2)[1])
@@ -110,11 +125,17 @@ def register(sub) -> None:
     wr.add_argument("--worker", type=int, required=True)
     wr.set_defaults(func=cmd_worker_rm)
 
+
+def _register_stats(csub) -> None:
+    """``ctl stats``."""
     s = csub.add_parser("stats", help="counters (drops by reason, merged, completions), jobs, flows")
     _common(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_stats)
 
+
+def _register_serve(csub) -> None:
+    """``ctl serve``: a DPU's control process (the dataplane and the join API)."""
     v = csub.add_parser("serve", help="run this DPU's control process: attach the dataplane (xdp mode) "
                                       "and serve the join API until SIGTERM")
     _common(v)
@@ -144,6 +165,9 @@ def register(sub) -> None:
                         "(default $DOSA_CONTROL_CA)")
     v.set_defaults(func=cmd_serve)
 
+
+def _register_secret(csub) -> None:
+    """``ctl secret``: a deployment's credentials."""
     k = csub.add_parser("secret", help="make a deployment secret: the DPUs' file (every role) and the "
                                        "hosts' (the host key only), mode 0600")
     k.add_argument("--dpu-file", required=True, help="for `ctl serve` and `dosa ctl` on the DPUs")
