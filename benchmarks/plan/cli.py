@@ -80,8 +80,8 @@ def register(sub) -> None:
     v.add_argument("--validate-hosts", default="2,4", help="host counts (default 2,4)")
     v.add_argument("--validate-numel", type=int, default=10_000_000, help="gradient entries (default 10M)")
     v.add_argument("--validate-rounds", type=int, default=5, help="timed rounds a bench run (default 5)")
-    v.add_argument("--repeat", type=int, default=2,
-                   help="bench runs per setting, alternated; the median counts (default 2)")
+    v.add_argument("--repeat", type=int, default=3,
+                   help="bench runs per setting, alternated; the median counts (default 3)")
     v.add_argument("--validate-dir", default=None, help="where the bench runs' JSON and logs go (default: a temp dir)")
     p.set_defaults(func=cmd_plan)
 
@@ -163,7 +163,7 @@ def cmd_plan(args) -> int:
 
 
 def _validate(args, costs, say):
-    from benchmarks.plan import testbed_path, validate as V
+    from benchmarks.plan import costs as C, testbed_path, validate as V
     from testbed.core import split_cpus
 
     setup = V.ValidationSetup(link_rates=tuple(r.strip() for r in args.validate_links.split(",") if r.strip()),
@@ -178,12 +178,19 @@ def _validate(args, costs, say):
     out.mkdir(parents=True, exist_ok=True)
     say("dosa plan --validate: measuring the testbed's path (TCP per byte, UDP per packet)")
     paths = testbed_path.measure(list(setup.link_rates), mtu=args.mtu, say=lambda m: say(f"  {m}"))
-    docs = V.run_benches(setup, out, say)
-    checks = V.compare(setup, docs, lambda rate: costs.on(paths[rate]), len(split_cpus()[0]))
+    hosts = [costs.host]
+
+    def measure_again():
+        hosts.append(C.measure_host(mtu=args.mtu))
+
+    docs = V.run_benches(setup, out, say, measure_again)
+    tb_costs = C.Costs(C.median_host(hosts), costs.dpu, costs.path)
+    checks = V.compare(setup, docs, lambda rate: tb_costs.on(paths[rate]), len(split_cpus()[0]))
     print(f"\nvalidation on the testbed ({setup.numel / 1e6:g}M entries, density {setup.density:g}, "
           f"median of {setup.repeat} bench run(s) each; bench JSON and logs in {out}):")
     print(V.format_checks(checks))
     info = {"setup": asdict(setup), "paths": {r: asdict(p) for r, p in paths.items()}, "dir": str(out),
+            "host": asdict(tb_costs.host), "host_runs": [asdict(h) for h in hosts],
             "tolerance": V.TOLERANCE, "shared_host_cores": len(split_cpus()[0])}
     return checks, info
 

@@ -6,7 +6,11 @@ and a DPU core.
   shared machine): the fused encoder pass (``r += g``, select, quantize) per gradient entry;
   packetize per sent entry; the result intake (decode, then write the dense output and clear the
   previous round's entries) per result entry; a float add (the ring's reduction); the allgather's
-  local sum as its baseline makes it (the last round's entries cleared, each host's rows added).
+  local sum as its baseline makes it (the last round's entries cleared, each host's rows added);
+  a byte of Gloo's ring allreduce and allgather (two ranks on loopback: TCP, Gloo's copies, the
+  additions), and of loopback TCP alone, so that a path's TCP can replace it. The encoder's
+  buffers rotate, with a fresh gradient each time, as a training step hands them over: a pass over
+  arrays still in cache would be cheaper than a round's.
 * **The path** (:class:`PathCosts`): what a packet or a byte costs the kernel on its way. For a
   cluster (:func:`measure_loopback_path`): a UDP GSO send and a GRO receive per packet and a TCP
   byte, on loopback (the kernel's own cost, no device), a DPU's frame received by XDP on a NIC and
@@ -65,6 +69,11 @@ class HostCosts:
     add_ns_per_entry: float
     scatter_add_ns_per_entry: float  #: one (int32 index, value) added into the dense output
     clear_ns_per_entry: float  #: one entry of the last round's output zeroed again
+    #: a rank's CPU a byte it sends (and one it receives) in Gloo's ring allreduce / allgather on
+    #: loopback: TCP, Gloo's copies and (the ring) its additions
+    gloo_ring_ns_per_byte: float
+    gloo_allgather_ns_per_byte: float
+    tcp_loopback_ns_per_byte: float  #: what of those is loopback TCP (a path's own TCP replaces it)
     measured: dict = field(default_factory=dict)  #: how: sizes, repeats, the machine
 
 
@@ -81,9 +90,12 @@ class PathCosts:
     udp_send_ns_per_packet: float  #: a host's GSO send, the fabric's work on the sending core included
     udp_recv_ns_per_packet: float  #: a host's GRO receive of a result packet
     tcp_ns_per_byte: float  #: one byte through a TCP connection: both ends' CPU
-    dpu_rx_ns_per_packet: float  #: a data frame's kernel path into the DPU's XDP program
-    dpu_tx_ns_per_packet: float  #: a result packet's send by the DPU worker
-    dpu_tx_ns_per_copy: float  #: each host's copy of a multicast result made on the DPU's core (0: the switch)
+    #: a data frame's kernel path to the DPU's XDP program (the testbed: measured as a UDP socket's
+    #: receive of single frames, which also walks the IP and socket layers: an upper bound)
+    dpu_rx_ns_per_packet: float
+    #: each host's copy of a multicast result made on the DPU's core (0 where a switch makes them;
+    #: the send itself is in dosa bench dpu's completion figure)
+    dpu_tx_ns_per_copy: float
     source: str = ""
     measured: dict = field(default_factory=dict)
 
@@ -245,9 +257,19 @@ def measure_host(numel: int = 8_000_000, density: float = 0.01, mtu: int = wire.
     g = synthetic_gradient(numel, 0)
     k = target_k(numel, density)
     say(f"encoder pass over {numel} entries")
-    enc = RoundEncoder(numel, density, 4, method="fast", seed=0)
-    gt = torch.from_numpy(g)
-    encode = _cpu_ns(lambda: enc.encode(gt, 20), numel, repeat)
+    encs = [RoundEncoder(numel, density, 4, method="fast", seed=i) for i in range(4)]
+    grads = [torch.from_numpy(g.copy()) for _ in encs]
+    src = torch.from_numpy(g)
+    times = []
+    for i in range(repeat * len(encs) + 1):
+        e, gt = encs[i % len(encs)], grads[i % len(encs)]
+        gt.copy_(src)  # a fresh gradient, as backward writes it
+        t0 = time.thread_time_ns()
+        e.encode(gt, 20)
+        if i:
+            times.append((time.thread_time_ns() - t0) / numel)
+    encode = float(statistics.median(times))
+    del encs, grads
     idx, vals = topk_fast(g, k, rng=np.random.default_rng(1))
     s = choose_scale_exp(float(np.abs(vals).max()), 4)
     q, _ = quantize(vals, s, 4)
@@ -280,7 +302,10 @@ def measure_host(numel: int = 8_000_000, density: float = 0.01, mtu: int = wire.
             a[r] += vals
 
     scatter_ns = _cpu_ns(scatter, hosts * k, repeat)
-    return HostCosts(encode, pk, intake_ns, add, scatter_ns, clear,
+    say("Gloo's ring allreduce and allgather, two ranks on loopback")
+    ring_b, ag_b = measure_gloo()
+    tcp_loop = _tcp_ns_per_byte()
+    return HostCosts(encode, pk, intake_ns, add, scatter_ns, clear, ring_b, ag_b, tcp_loop,
                      measured={"numel": numel, "density": density, "mtu": mtu, "repeat": repeat,
                                "how": "thread CPU time, median; loopback sockets; one core",
                                "when": time.strftime("%Y-%m-%d %H:%M:%S")})
@@ -295,6 +320,49 @@ def measure_loopback_path(mtu: int = wire.MAX_MTU, say=None) -> PathCosts:
     send, recv = _udp_costs(mtu)
     say("TCP bytes on loopback")
     tcp = _tcp_ns_per_byte()
-    return PathCosts(send, recv, tcp, NIC_XDP_RX_NS_PER_PACKET, send, 0.0,
+    return PathCosts(send, recv, tcp, NIC_XDP_RX_NS_PER_PACKET, 0.0,
                      source="loopback (measured) + a NIC's XDP frame (cited)",
                      measured={"mtu": mtu, "when": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
+def measure_gloo(numel: int = 4_000_000, world: int = 2, rounds: int = 5) -> tuple[float, float]:
+    """(ring allreduce, allgather) CPU ns a rank pays a byte it sends, two Gloo ranks on loopback
+    (benchmarks.plan.gloo_probe), the median of ``rounds``, averaged over the ranks."""
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.plan.gloo_probe", str(r), str(world),
+                               str(port), str(numel), str(rounds)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+            if p.returncode != 0 or not lines:
+                raise DosaError(f"measuring Gloo on loopback failed: {err.strip()[-300:]}")
+            outs.append(json.loads(lines[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    ring_bytes = 2 * (world - 1) / world * 4 * numel
+    ag_bytes = (world - 1) * 4 * (numel // world)
+    ring = statistics.mean(o["ring_cpu_s"] for o in outs) / ring_bytes * 1e9
+    ag = statistics.mean(o["allgather_cpu_s"] for o in outs) / ag_bytes * 1e9
+    return ring, ag
+
+
+def median_host(runs: list[HostCosts]) -> HostCosts:
+    """Field by field, the median of several measurements (the validation takes one before each
+    bench run: the machine's load moves them)."""
+    if len(runs) == 1:
+        return runs[0]
+    fields = [f for f in asdict(runs[0]) if f != "measured"]
+    vals = {f: float(statistics.median(getattr(r, f) for r in runs)) for f in fields}
+    return HostCosts(**vals, measured={**runs[0].measured, "runs": len(runs),
+                                       "how": runs[0].measured.get("how", "") + "; median of the runs"})

@@ -16,7 +16,8 @@ in-flight windows: ``network = max(stage) + (sum(stages) - max(stage)) / waves``
 when the waves are many, the stages one after the other when there is one).
 
 **ring allreduce** (what DDP does without a hook; NCCL or Gloo's ring): each node sends and
-receives ``2 (N-1)/N x 4n`` bytes; the host's CPU moves them (TCP) and adds ``(N-1)/N x n`` floats;
+receives ``2 (N-1)/N x 4n`` bytes; with Gloo the host's CPU moves them (Gloo's cost a byte measured
+on loopback, its TCP swapped for the path's) and adds ``(N-1)/N x n`` floats (in that cost);
 the link and the CPU overlap (the ring pipelines chunks): ``round = max(link, cpu)`` plus a step
 latency per ring step.
 
@@ -184,12 +185,13 @@ def predict_dosa(cluster: Cluster, w: Workload, costs, mode: str = "sum") -> Pre
     link_out, link_in = out_b * 8 / link_bps, in_b * 8 / link_bps
     dpu_link = max(N * out_b, in_b) * 8 / dpu_bps
     # the DPU's cores: the merge spreads over every core (RSS queues), the completion path runs on
-    # the worker cores; the kernel's work a frame in and a result packet out (and each host's copy
-    # where the DPU's core makes the multicast copies, as the testbed's bridge does)
+    # the worker cores; the kernel's work a frame in, and each host's copy of a result packet where
+    # the DPU's core makes the multicast copies (the testbed's bridge does; a switch does not)
     merge_ns = d.xdp_merge_ns_per_entry if cluster.xdp else d.userspace_merge_ns_per_entry
     merge = (N * k * merge_ns + N * data_pk * x.dpu_rx_ns_per_packet) / M
+    # (the completion figure includes sending the result packets: dosa bench dpu times build + send)
     complete = (U * d.completion_ns_per_result_entry + P * d.settle_ns_per_partition
-                + res_pk * (x.dpu_tx_ns_per_packet + N * x.dpu_tx_ns_per_copy)) / M
+                + res_pk * N * x.dpu_tx_ns_per_copy) / M
     s = cluster.dpu_slowdown * 1e-9
     cores, workers = cluster.dpu_cores, min(cluster.dpu_workers, cluster.dpu_cores)
     dpu = max((merge + complete) * s / cores, complete * s / workers)
@@ -217,9 +219,9 @@ def predict_ring(cluster: Cluster, w: Workload, costs) -> Prediction:
     link = B * 8 / _rate_bps(cluster.link_gbps, None)
     if cluster.host_device == "cuda":  # NCCL: the GPU reduces, the NIC moves the bytes
         cpu = (N - 1) / N * n * GPU_DENSE_NS_PER_ENTRY * 1e-9
-    else:
-        cpu = _host_share(cluster, (B * x.tcp_ns_per_byte + (N - 1) / N * n * h.add_ns_per_entry)
-                          / cluster.ranks_per_node * 1e-9)
+    else:  # Gloo's own cost a byte (its copies and additions), its loopback TCP swapped for the path's
+        per_byte = h.gloo_ring_ns_per_byte + x.tcp_ns_per_byte - h.tcp_loopback_ns_per_byte
+        cpu = _host_share(cluster, B * per_byte / cluster.ranks_per_node * 1e-9)
     intra = _intra_s(cluster, n)
     round_s = max(link, cpu) + intra + 2 * (N - 1) * cluster.step_latency_s
     by = {"link": link, "host": cpu, "intra_node": intra}
@@ -235,7 +237,9 @@ def predict_allgather(cluster: Cluster, w: Workload, costs) -> Prediction:
     link = B * 8 / _rate_bps(cluster.link_gbps, None)
     enc = _host_share(cluster, _encode_s(cluster, h, n / L))
     dense = N * k * (_dense_ns(cluster, h.clear_ns_per_entry) + _dense_ns(cluster, h.scatter_add_ns_per_entry))
-    cpu = _host_share(cluster, (B * x.tcp_ns_per_byte + dense) / L * 1e-9)
+    per_byte = (h.gloo_allgather_ns_per_byte + x.tcp_ns_per_byte - h.tcp_loopback_ns_per_byte
+                if cluster.host_device != "cuda" else 0.0)
+    cpu = _host_share(cluster, (B * per_byte + dense) / L * 1e-9)
     intra = _intra_s(cluster, n)
     round_s = enc + intra + link + cpu + 2 * (N - 1) * cluster.step_latency_s
     by = {"host": enc + cpu, "link": link, "intra_node": intra}

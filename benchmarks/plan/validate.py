@@ -7,7 +7,9 @@ method is the median of the invocations' medians. The model predicts the same ro
 costs measured here, the DPU's costs, and the testbed's own path (benchmarks.plan.testbed_path):
 every host on the testbed's host cores (its cpu split), one DPU core, the DPU's link not shaped, the
 workload's measured top-k overlap. The model is kept only while every prediction is within
-``TOLERANCE`` of its measurement.
+``TOLERANCE`` of its measurement. The host's costs are measured again before every bench run and
+their median taken, so that they see the machine's load the bench saw (on a shared machine a
+measurement an hour apart moves by 20 % and more, docs/performance.md *Noise*).
 
 What is compared with what: ``dosa_sum`` and ``dosa_gtopk`` with ``dosa_xdp`` and
 ``dosa_xdp_gtopk`` end to end (dense gradient in, error feedback, dense sum out);
@@ -47,7 +49,7 @@ class ValidationSetup:
     numel: int = 10_000_000
     density: float = 0.01
     rounds: int = 5
-    repeat: int = 2
+    repeat: int = 3
     methods: tuple[str, ...] = tuple(MEASURED_AS)
 
 
@@ -92,9 +94,11 @@ def _overlap(doc: dict, hosts: int) -> float | None:
     return None
 
 
-def run_benches(setup: ValidationSetup, out_dir: Path, say) -> dict:
+def run_benches(setup: ValidationSetup, out_dir: Path, say, before_each=None) -> dict:
     """Every bench invocation (link rates alternated within each repeat); returns
-    ``{(rate, mode): [json doc, ...]}``. A failed invocation is a DosaError naming its log."""
+    ``{(rate, mode): [json doc, ...]}``. A failed invocation is a DosaError naming its log.
+    ``before_each()`` runs before every invocation (the host costs are measured again there: the
+    machine's load moves them as it moves the bench)."""
     modes = sorted({MEASURED_AS[m][0] for m in setup.methods}, key=("sum", "gtopk").index)
     jobs = [(i, rate, mode) for i in range(setup.repeat) for rate in setup.link_rates for mode in modes]
     docs: dict = {}
@@ -103,6 +107,8 @@ def run_benches(setup: ValidationSetup, out_dir: Path, say) -> dict:
         for i, rate, mode in jobs:
             out = out_dir / f"bench-{rate}-{mode}-{i}.json"
             log = out_dir / f"bench-{rate}-{mode}-{i}.log"
+            if before_each is not None:
+                before_each()
             p.note(f"dosa bench allreduce --link-rate {rate} --mode {mode} (hosts {setup.hosts}), run {i + 1}/{setup.repeat}")
             with open(log, "w") as f:
                 r = subprocess.run(_bench_argv(setup, rate, mode, out), stdout=f, stderr=subprocess.STDOUT,
