@@ -26,6 +26,15 @@ LIST_WORDS = LIST_CAP // 4
 MAX_SHARDS = 8
 #: the saturation bound of a sum (the DPU worker always saturated at it): +-(2^31 - 1)
 SUM_LIMIT = 2**31 - 1
+#: pstate.touched of a completed buffer, as the DPU worker marks it (dpu_fw/_completion.pyx): the
+#: list is being overwritten (WRITING), the list area holds the offsets of the buffer's non-zero
+#: sums sorted (SORTED, their count in the low 32 bits), or the result compacted (COMPACT, offsets
+#: then values, the count in the low 32 bits), its sums zeroed already (ZEROED). XDP never sees
+#: them: it writes the count only while it merges, before the completion.
+TOUCHED_SORTED = 1 << 60
+TOUCHED_WRITING = 1 << 61
+TOUCHED_COMPACT = 1 << 62
+TOUCHED_ZEROED = 1 << 63
 
 
 class Job(ctypes.Structure):
@@ -103,7 +112,11 @@ def c_header() -> str:
     above that the C side (dosa_state.h, the XDP program, the DPU worker's compiled code) shares."""
     defines = "".join(f"#define DOSA_{name} {value}\n" for name, value in (
         ("SCALE_TAG_BIAS", SCALE_TAG_BIAS), ("BUF_SUMS", BUF_SUMS), ("LIST_WORDS", LIST_WORDS),
-        ("MAX_SHARDS", MAX_SHARDS), ("SUM_LIMIT", f"{SUM_LIMIT}LL")))
+        ("MAX_SHARDS", MAX_SHARDS), ("SUM_LIMIT", f"{SUM_LIMIT}LL"),
+        ("TOUCHED_SORTED", f"(1ULL << {TOUCHED_SORTED.bit_length() - 1})"),
+        ("TOUCHED_WRITING", f"(1ULL << {TOUCHED_WRITING.bit_length() - 1})"),
+        ("TOUCHED_COMPACT", f"(1ULL << {TOUCHED_COMPACT.bit_length() - 1})"),
+        ("TOUCHED_ZEROED", f"(1ULL << {TOUCHED_ZEROED.bit_length() - 1})")))
     return ("/* GENERATED from dataplane/layout.py by `python -m dataplane.gen_headers`; do not edit\n"
             " * (tests/unit/test_generated_headers.py fails when it is stale). */\n"
             "#ifndef DOSA_LAYOUT_H\n#define DOSA_LAYOUT_H\n\n" + defines + "\n#endif /* DOSA_LAYOUT_H */\n")

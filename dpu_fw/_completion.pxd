@@ -3,7 +3,7 @@
 from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 
 from ._results cimport Writer
-from ._state cimport JobGeo, dosa_completion, dosa_settings
+from ._state cimport JobGeo, dosa_buf, dosa_completion, dosa_settings
 
 cdef enum:
     MAX_JOBS = 64
@@ -47,6 +47,8 @@ cdef class CompletionEngine:
     # scratch of one completion and the arena of result packets waiting to be sent
     cdef uint32_t* oi
     cdef int32_t* ov
+    cdef uint32_t* ri
+    cdef int32_t* rv
     cdef int64_t* topk_scratch
     cdef uint64_t* bits
     cdef uint8_t* arena
@@ -65,12 +67,19 @@ cdef class CompletionEngine:
     cdef public int64_t ns_settle, ns_build, ns_send, completions
     cdef public int clock
 
+
     cdef int _find(self, uint32_t job_id) noexcept nogil
     cdef void _settle(self, JobRt* j, uint32_t slot, uint64_t gen) noexcept nogil
     cdef bint _room(self, Py_ssize_t npk) noexcept nogil
     cdef bint _send_space(self, Py_ssize_t n) noexcept nogil
     cdef Py_ssize_t _read_ring(self, dosa_completion* out, Py_ssize_t limit) noexcept nogil
     cdef Py_ssize_t _drain(self) noexcept nogil
+    cdef Py_ssize_t _entries(self, JobRt* j, dosa_buf* b, uint64_t touched, uint32_t lo, uint32_t n,
+                             uint32_t local, uint32_t* oi, int32_t* ov, uint32_t* ri, int32_t* rv,
+                             Py_ssize_t* m_all) noexcept nogil
+    cdef void _compact(self, JobRt* j, dosa_buf* b, uint64_t* touched, uint32_t lo,
+                       const uint32_t* ri, const int32_t* rv, Py_ssize_t m,
+                       const uint32_t* oi, Py_ssize_t m_all) noexcept nogil
     cdef void complete_one(self, uint32_t job_id, uint32_t partition, uint32_t rnd,
                            int8_t scale) noexcept nogil
     cdef int flush(self) noexcept nogil

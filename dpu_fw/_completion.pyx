@@ -29,10 +29,16 @@ from dosa._net cimport (C_SEND_CALLS, C_SEND_DGRAMS, C_SENT_BYTES, C_SENT_PACKET
                         now, poll, pollfd, send_core)
 
 from ._results cimport BITMAP_WORDS, Writer, extract, packets_for, top_k, write_results
-from ._state cimport (DOSA_BUF_SUMS, DOSA_F_GTOPK, DOSA_MAX_SHARDS, DOSA_SCALE_TAG_BIAS, JobGeo, dosa_buf,
+from ._state cimport (DOSA_BUF_SUMS, DOSA_F_GTOPK, DOSA_LIST_WORDS, DOSA_MAX_SHARDS,
+                      DOSA_SCALE_TAG_BIAS, DOSA_TOUCHED_COMPACT, DOSA_TOUCHED_SORTED,
+                      DOSA_TOUCHED_WRITING,
+                      DOSA_TOUCHED_ZEROED, JobGeo, dosa_buf,
                       dosa_completion, dosa_pstate, dosa_settings, dosa_wstate, occupant)
 
 from dosa import wire as _wire
+
+cdef extern from *:
+    void __builtin_prefetch(const void*, int) nogil
 
 cdef extern from *:
     """
@@ -65,6 +71,11 @@ cdef enum:
     DISCARD_BIT = 1u << 30
     REC_HEADER = 8
     SCRATCH = 65536       # one partition's entries at most (DOSA_BUF_SUMS)
+    SETTLE_PREFETCH = 16  # listed sums the settle prefetches ahead
+    COMPACT_MAX = DOSA_LIST_WORDS * 8 // 6  # result entries the list area holds compacted
+    SORTED_MAX = DOSA_LIST_WORDS * 4        # non-zero offsets it holds sorted
+
+cdef uint64_t COUNT_MASK = 0xFFFFFFFF
 
 cdef Py_ssize_t ARENA_STRIDE = _wire.stride_for_mtu(_wire.MAX_MTU)
 
@@ -103,20 +114,22 @@ cdef class CompletionEngine:
         self.unknown_cap = 4096
         self.oi = <uint32_t*>malloc(SCRATCH * sizeof(uint32_t))
         self.ov = <int32_t*>malloc(SCRATCH * sizeof(int32_t))
+        self.ri = <uint32_t*>malloc(SCRATCH * sizeof(uint32_t))
+        self.rv = <int32_t*>malloc(SCRATCH * sizeof(int32_t))
         self.topk_scratch = <int64_t*>malloc(SCRATCH * sizeof(int64_t))
         self.bits = <uint64_t*>calloc(BITMAP_WORDS, sizeof(uint64_t))
         self.arena = <uint8_t*>malloc(self.cap * self.stride)
         self.lengths = <int64_t*>malloc(self.cap * sizeof(int64_t))
         self.pkjob = <int16_t*>malloc(self.cap * sizeof(int16_t))
         self.unknown = <dosa_completion*>malloc(self.unknown_cap * sizeof(dosa_completion))
-        if not (self.oi and self.ov and self.topk_scratch and self.bits and self.arena and
+        if not (self.oi and self.ov and self.ri and self.rv and self.topk_scratch and self.bits and self.arena and
                 self.lengths and self.pkjob and self.unknown):
             raise MemoryError()
         self.send_timeout = 2.0
         self.clock = CLOCK_MONOTONIC
 
     def __dealloc__(self):
-        free(self.oi); free(self.ov); free(self.topk_scratch); free(self.bits); free(self.arena)
+        free(self.oi); free(self.ov); free(self.ri); free(self.rv); free(self.topk_scratch); free(self.bits); free(self.arena)
         free(self.lengths); free(self.pkjob); free(self.unknown); free(self.send_rows)
         free(self.send_ip); free(self.send_port)
 
@@ -234,6 +247,28 @@ cdef class CompletionEngine:
             return {}
         return {name: int(self.jobs[i].stats[s]) for s, name in enumerate(ENGINE_STATS)}
 
+    def needs_scan(self, int job_id, int shard=0, int shards=1) -> bool:
+        """Whether a slot of this shard holds an occupant some but not all workers delivered, or
+        a complete one not handled: the only states the NACK scan acts on (a cheap check, so an
+        idle worker does not run the scan in Python every few milliseconds)."""
+        cdef int ji = self._find(job_id)
+        cdef JobRt* j
+        cdef uint32_t s, W
+        cdef uint64_t d0, d1
+        if ji < 0:
+            return False
+        j = &self.jobs[ji]
+        W = j.g.workers
+        s = <uint32_t>shard
+        while s < j.g.slots:
+            d0 = j.g.ps[s].workers_done[0]
+            d1 = j.g.ps[s].workers_done[1]
+            if (0 < d0 < W) or (0 < d1 < W) or \
+                    j.g.ps[s].workers_done[(j.g.ps[s].base_gen + 1) & 1] >= W:
+                return True
+            s += <uint32_t>shards
+        return False
+
     def take_unknown(self):
         """Completions of jobs this engine does not serve (yet), as (job_id, partition, round,
         scale_exp) records (what ``handle`` takes) for the worker to park."""
@@ -268,14 +303,26 @@ cdef class CompletionEngine:
         store_seq_cst(&ps.base_gen, gen)
         b = &j.g.bufs[slot * 2 + par]
         cnt = ps.touched[par]
-        if j.g.list_cap and cnt <= j.g.list_cap:
+        if cnt & DOSA_TOUCHED_ZEROED:
+            pass  # zeroed when its result went out (_compact)
+        elif cnt & DOSA_TOUCHED_SORTED:
+            # exactly its non-zero sums, in ascending order (_compact): streams, no duplicates
+            lst = <const uint16_t*>b.list
+            for i in range(<uint32_t>(cnt & COUNT_MASK)):
+                b.sums[lst[i]] = 0
+        elif cnt & (DOSA_TOUCHED_COMPACT | DOSA_TOUCHED_WRITING) or not j.g.list_cap \
+                or cnt > j.g.list_cap:
+            memset(b.sums, 0, j.g.stride * sizeof(int32_t))  # no list to read: all of it
+        else:
+            # the sums are cold (the slot's later occupants ran since): prefetch for writing
+            # SETTLE_PREFETCH ahead so their misses overlap
             lst = <const uint16_t*>b.list
             for i in range(<uint32_t>cnt):
+                if i + SETTLE_PREFETCH < cnt:
+                    __builtin_prefetch(&b.sums[lst[i + SETTLE_PREFETCH]], 1)
                 o = lst[i]
                 if o < j.g.stride:
                     b.sums[o] = 0
-        else:
-            memset(b.sums, 0, j.g.stride * sizeof(int32_t))
         memset(&j.g.ws[(slot * 2 + par) * j.g.workers], 0, j.g.workers * sizeof(dosa_wstate))
         ps.workers_done[par] = 0
         ps.scale_tag[par] = 0
@@ -306,6 +353,81 @@ cdef class CompletionEngine:
         self.cap = cap
         return True
 
+    cdef Py_ssize_t _entries(self, JobRt* j, dosa_buf* b, uint64_t touched, uint32_t lo, uint32_t n,
+                             uint32_t local, uint32_t* oi, int32_t* ov, uint32_t* ri, int32_t* rv,
+                             Py_ssize_t* m_all) noexcept nogil:
+        """The result entries of a completed buffer into ri/rv (ascending), returning how many;
+        its non-zero sums into oi/ov (``m_all`` of them; -1 when they are not known because the
+        buffer was compacted). ri/rv may be oi/ov in sum mode."""
+        cdef Py_ssize_t m, i, vo
+        cdef const uint16_t* co
+        cdef const int32_t* cv
+        if touched & DOSA_TOUCHED_COMPACT:
+            m = <Py_ssize_t>(touched & COUNT_MASK)
+            co = <const uint16_t*>b.list
+            vo = (2 * m + 3) & ~3
+            cv = <const int32_t*>((<const uint8_t*>b.list) + vo)
+            for i in range(m):
+                ri[i] = lo + co[i]
+                rv[i] = cv[i]
+            m_all[0] = -1
+            return m
+        if touched & DOSA_TOUCHED_SORTED:
+            m = <Py_ssize_t>(touched & COUNT_MASK)
+            co = <const uint16_t*>b.list
+            for i in range(m):
+                oi[i] = lo + co[i]
+                ov[i] = b.sums[co[i]]
+        else:
+            if touched & DOSA_TOUCHED_WRITING:
+                touched = <uint64_t>j.g.list_cap + 1  # the list was being overwritten: scan
+            m = extract(b.sums, n, <const uint16_t*>b.list, touched, j.g.list_cap, self.bits, lo, oi, ov)
+        m_all[0] = m
+        if not j.gtopk:
+            return m
+        if ri != oi:
+            for i in range(m):
+                ri[i] = oi[i]
+                rv[i] = ov[i]
+        return top_k(ri, rv, m, j.k[local], self.topk_scratch)
+
+    cdef void _compact(self, JobRt* j, dosa_buf* b, uint64_t* touched, uint32_t lo,
+                       const uint32_t* ri, const int32_t* rv, Py_ssize_t m,
+                       const uint32_t* oi, Py_ssize_t m_all) noexcept nogil:
+        """Once a result is built: when it fits, the result's entries, compacted (u16 offsets, then
+        s32 values 4-aligned), replace the touched list in the buffer's list area, and the
+        buffer's non-zero sums are zeroed while they are still in cache. The compacted result is
+        the shadow copy asks are answered from and a restarted worker rebuilds from; the slot's
+        settle then has nothing to clear but counters. A larger result (a dense partition) keeps
+        its sums as the shadow copy, and the list area gets the offsets of its non-zero sums,
+        sorted: answers read them without deduplicating a list, the settle clears exactly them.
+        Each step is flagged in ``touched`` before the next, so a worker that dies in between
+        leaves a state the next one reads right (WRITING: the list is no longer whole, scan the
+        sums; COMPACT: the result is in the list area; ZEROED: the sums are clear; SORTED: the
+        list area holds the sorted offsets)."""
+        cdef Py_ssize_t i, vo = (2 * m + 3) & ~3
+        cdef uint16_t* co = <uint16_t*>b.list
+        cdef int32_t* cv = <int32_t*>((<uint8_t*>b.list) + vo)
+        cdef uint64_t t = load_acquire(touched)
+        if t & (DOSA_TOUCHED_COMPACT | DOSA_TOUCHED_SORTED) or m_all < 0:
+            return
+        if m <= COMPACT_MAX:
+            store_release(touched, DOSA_TOUCHED_WRITING | t)
+            for i in range(m):
+                co[i] = <uint16_t>(ri[i] - lo)
+                cv[i] = rv[i]
+            store_release(touched, DOSA_TOUCHED_COMPACT | <uint64_t>m)
+            for i in range(m_all):
+                b.sums[oi[i] - lo] = 0
+            store_release(touched, DOSA_TOUCHED_COMPACT | DOSA_TOUCHED_ZEROED | <uint64_t>m)
+        elif m_all <= SORTED_MAX:
+            # too many to compact: the offsets of every non-zero sum, sorted, replace the list
+            # (the sums stay, the shadow copy; the settle then clears exactly them, in order)
+            store_release(touched, DOSA_TOUCHED_WRITING | t)
+            for i in range(m_all):
+                co[i] = <uint16_t>(oi[i] - lo)
+            store_release(touched, DOSA_TOUCHED_SORTED | <uint64_t>m_all)
+
     cdef void complete_one(self, uint32_t job_id, uint32_t partition, uint32_t rnd,
                            int8_t scale) noexcept nogil:
         """One completion: settle the slot, build the result into the arena (sent by flush)."""
@@ -313,10 +435,12 @@ cdef class CompletionEngine:
         cdef JobRt* j
         cdef uint32_t local, slot = 0, par, lo, n
         cdef uint64_t gen
-        cdef Py_ssize_t m, span, npk, i
+        cdef Py_ssize_t m, m_all, span, npk, i
         cdef bint dense
         cdef dosa_buf* b
         cdef int64_t t0, t1, key
+        cdef uint32_t* ri
+        cdef int32_t* rv
         if ji < 0:
             if self.nunknown < self.unknown_cap:
                 self.unknown[self.nunknown].job_id = job_id
@@ -340,11 +464,11 @@ cdef class CompletionEngine:
         b = &j.g.bufs[slot * 2 + par]
         lo = partition * j.g.partition_size
         n = j.g.numel - lo if j.g.numel - lo < j.g.partition_size else j.g.partition_size
-        m = extract(b.sums, n, <const uint16_t*>b.list, j.g.ps[slot].touched[par], j.g.list_cap,
-                    self.bits, lo, self.oi, self.ov)
-        if j.gtopk:
-            m = top_k(self.oi, self.ov, m, j.k[local], self.topk_scratch)
-        span = <Py_ssize_t>(self.oi[m - 1] - self.oi[0]) + 1 if m else 0
+        ri = self.ri if j.gtopk else self.oi
+        rv = self.rv if j.gtopk else self.ov
+        m = self._entries(j, b, load_acquire(&j.g.ps[slot].touched[par]), lo, n, local, self.oi,
+                          self.ov, ri, rv, &m_all)
+        span = <Py_ssize_t>(ri[m - 1] - ri[0]) + 1 if m else 0
         npk = packets_for(m, span, &j.w, &dense)
         if npk < 0 or not self._room(npk):
             j.stats[S_PACKET_LIMIT] += 1
@@ -352,7 +476,8 @@ cdef class CompletionEngine:
         j.w.rnd = rnd
         j.w.scale_exp = scale
         write_results(self.arena + self.used * self.stride, self.lengths + self.used, &j.w,
-                      partition, lo, self.oi, self.ov, m, npk, dense)
+                      partition, lo, ri, rv, m, npk, dense)
+        self._compact(j, b, &j.g.ps[slot].touched[par], lo, ri, rv, m, self.oi, m_all)
         for i in range(npk):
             self.pkjob[self.used + i] = <int16_t>ji
         self.used += npk
@@ -499,7 +624,7 @@ cdef class CompletionEngine:
             fds[nfds].fd = f
             fds[nfds].events = POLLIN
             nfds += 1
-        ms = <int>(timeout * 1000) if timeout > 0 else 0
+        ms = <int>(timeout * 1000 + 0.999) if timeout > 0 else 0  # ceil: a sub-ms wait must wait
         with nogil:
             done = self._drain()
             if done == 0 and ms > 0:
@@ -555,17 +680,22 @@ cdef class CompletionEngine:
         n = j.g.numel - lo if j.g.numel - lo < j.g.partition_size else j.g.partition_size
         oi = np.empty(max(n, 1), np.uint32)
         ov = np.empty(max(n, 1), np.int32)
-        bits = np.zeros(BITMAP_WORDS, np.uint64)
+        ri_ = np.empty(max(n, 1), np.uint32)
+        rv_ = np.empty(max(n, 1), np.int32)
         cdef uint32_t[::1] oiv = oi
         cdef int32_t[::1] ovv = ov
-        cdef uint64_t[::1] bv = bits
-        m = extract(b.sums, n, <const uint16_t*>b.list, j.g.ps[slot].touched[par], j.g.list_cap,
-                    &bv[0], lo, &oiv[0], &ovv[0])
-        if j.gtopk:
-            scratch = np.empty(max(m, 1), np.int64)
-            m = top_k(&oiv[0], &ovv[0], m, j.k[local], <int64_t*><size_t>scratch.ctypes.data)
+        cdef uint32_t[::1] riv = ri_
+        cdef int32_t[::1] rvv = rv_
+        cdef Py_ssize_t m_all
+        cdef uint64_t touched = load_acquire(&j.g.ps[slot].touched[par])
+        m = self._entries(j, b, touched, lo, n, local, &oiv[0], &ovv[0], &riv[0], &rvv[0], &m_all)
+        oi, ov = ri_, rv_
+        oiv, ovv = riv, rvv
         full_fence()
-        if load_acquire(&j.g.ps[slot].base_gen) != base:
+        # the owning shard may have settled the slot or compacted the buffer meanwhile: a read
+        # across either is not trusted (the caller answers later)
+        if load_acquire(&j.g.ps[slot].base_gen) != base or \
+                load_acquire(&j.g.ps[slot].touched[par]) != touched:
             return None
         span = <Py_ssize_t>(oi[m - 1] - oi[0]) + 1 if m else 0
         npk = packets_for(m, span, &j.w, &dense)

@@ -303,7 +303,7 @@ cdef class SoftMerge:
         cdef pollfd pf[2]
         cdef int i, calls = 0
         cdef Py_ssize_t got, total
-        cdef int ms = <int>(timeout * 1000) if timeout > 0 else 0
+        cdef int ms = <int>(timeout * 1000 + 0.999) if timeout > 0 else 0  # ceil: a sub-ms wait must wait
         cdef int64_t t0
         self.npassed = 0
         with nogil:

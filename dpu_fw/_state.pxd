@@ -40,6 +40,7 @@ cdef extern from "dosa_wire.h":
 cdef extern from "dosa_state.h":
     enum:
         DOSA_BUF_SUMS, DOSA_LIST_WORDS, DOSA_MAX_SHARDS, DOSA_SCALE_TAG_BIAS
+    uint64_t DOSA_TOUCHED_SORTED, DOSA_TOUCHED_WRITING, DOSA_TOUCHED_COMPACT, DOSA_TOUCHED_ZEROED
     struct dosa_pstate:
         uint64_t base_gen
         uint64_t workers_done[2]

@@ -39,6 +39,7 @@ class JobRuntime:
         group = addr_arrays([self.group]) if self.group is not None else None
         info = state.info
         self.my_slots = np.arange(shard, info.slots, shards) if shards > 1 else None
+        self.shard, self.shards = shard, shards
         lo = self.owned * job.partition_size
         k = job.gtopk_k(np.minimum(lo + job.partition_size, job.numel) - lo)
         engine.add_job(job.job_id, info, *state.addresses(), hosts=(self.host_ip, self.host_port),
@@ -156,6 +157,9 @@ class JobRuntime:
         NACK_GRACE_S, and again every NACK_REPEAT_S while it is missing. Also the repair: a slot
         whose next occupant has been complete for REPAIR_GRACE_S without its completion being
         handled. Returns (STATUS packets sent, [(job, partition, round, scale)] to handle)."""
+        if not self.engine.needs_scan(self.job.job_id, self.shard, self.shards):
+            self._stuck, self._unsettled = {}, {}
+            return 0, []
         self.delivered = np.maximum(self.delivered, self.engine.max_key(self.job.job_id))
         missing, delivered = self.state.incomplete(self.my_slots)
         for lp, rnd, w in delivered:

@@ -39,6 +39,9 @@ def register(sub) -> None:
                     help="pin hosts and DPUs to disjoint CPUs (first half / second half)")
     up.add_argument("--mode", choices=DPU_MODES, default="xdp",
                     help="DPU dataplane: XDP program, or the worker merging from a socket")
+    up.add_argument("--dpu-workers", type=int, default=1, metavar="N",
+                    help="DPU worker processes per DPU (dosa dpu run --workers N; with --cpu-split "
+                         "pinned to the DPUs' cores; default 1)")
     up.add_argument("--no-services", action="store_true",
                     help="topology only: do not start the control plane and DPU workers")
     up.add_argument("--subnet", default=None, help=f"IPv4 network (default {config.DEFAULT_SUBNET})")
@@ -127,7 +130,8 @@ def cmd_up(args) -> int:
     st = tb.up(args.hosts, args.dpus, link_rate=args.link_rate, delay=args.delay, loss=args.loss,
                dup=args.dup, reorder=args.reorder, shape_dpus=args.shape_dpus,
                cpu_split=args.cpu_split, mode=args.mode, services=not args.no_services,
-               ready_timeout=args.ready_timeout, mtu=args.mtu, tls=args.tls)
+               ready_timeout=args.ready_timeout, mtu=args.mtu, tls=args.tls,
+               dpu_workers=args.dpu_workers)
     _print_status(st)
     return 0
 

@@ -117,7 +117,7 @@ class Testbed:
            loss=None, dup=None, reorder=None, shape_dpus: bool = False, cpu_split: bool = False,
            mode: str = "xdp", services: bool = True, ready_timeout: float = 120.0,
            data_port: int = DATA_PORT, control_port: int = CONTROL_PORT, mtu: int | None = None,
-           tls: bool = False) -> dict:
+           tls: bool = False, dpu_workers: int = 1) -> dict:
         """Build the topology (and start the DPU services unless ``services=False``); return
         ``status()``. On any failure everything built so far is torn down before the error.
 
@@ -127,7 +127,8 @@ class Testbed:
         made for this testbed (the ranks get it in DOSA_CONTROL_CA).
 
         ``mtu``: of every link, at most ``config.MAX_MTU`` (the largest frame native XDP takes on
-        a veth without multi-buffer); default ``config.DEFAULT_MTU``."""
+        a veth without multi-buffer); default ``config.DEFAULT_MTU``. ``dpu_workers``: worker
+        processes per DPU (``dosa dpu run --workers``), pinned to the DPUs' cores with ``cpu_split``."""
         ns.require_root("dosa testbed up")
         mtu = config.DEFAULT_MTU if mtu is None else mtu
         if not isinstance(mtu, int) or not config.MIN_MTU <= mtu <= config.MAX_MTU:
@@ -148,6 +149,7 @@ class Testbed:
               "shaping": shaping.to_json(), "shape_dpus": shape_dpus, "cpu_split": cpu_split,
               "host_cpus": host_cpus, "dpu_cpus": dpu_cpus, "mode": mode, "services": services, "tls": tls,
               "data_port": data_port, "control_port": control_port, "mtu": mtu,
+              "dpu_workers": dpu_workers,
               "nodes": [n.__dict__ for n in layout.nodes], "fabric_ns": layout.fabric_ns,
               "bridge": BRIDGE, "processes": [], "status": "building", "next_job_id": 1,
               "created_at": time.time(), "created_by_pid": os.getpid(),
@@ -267,6 +269,7 @@ class Testbed:
                              pin_dir=str(self.pin_dir / n.name), run_dir=str(self.run_dir),
                              data_port=st["data_port"], control_port=st["control_port"],
                              secret_file=self._cred(credentials.DPU_SECRET),
+                             workers=st.get("dpu_workers", 1), cpus=st["dpu_cpus"],
                              tls_cert=self._cred(credentials.cert_files(n.name)[0]),
                              tls_key=self._cred(credentials.cert_files(n.name)[1]),
                              ca_file=self._cred(credentials.CA_CERT))

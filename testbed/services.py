@@ -53,6 +53,9 @@ class DpuContext:
     tls_cert: str | None = None
     tls_key: str | None = None
     ca_file: str | None = None
+    #: DPU worker processes (dosa dpu run --workers) and the CPUs they are pinned to (None: not)
+    workers: int = 1
+    cpus: tuple[int, ...] | None = None
 
 
 def dpu_services(ctx: DpuContext) -> list[ServiceSpec]:
@@ -78,6 +81,8 @@ def dpu_services(ctx: DpuContext) -> list[ServiceSpec]:
         argv=[*dosa, "dpu", "run", "--instance", ctx.pin_dir, "--iface", ctx.iface,
               "--addr", ctx.address, "--port", str(ctx.data_port), "--mode", ctx.mode,
               "--dpu-index", str(ctx.index), "--control", f"{ctx.address}:{ctx.control_port}",
-              "--pid-file", ready, "--stats-file", stats],
+              "--pid-file", ready, "--stats-file", stats,
+              *(["--workers", str(ctx.workers)] if ctx.workers > 1 else []),
+              *(["--cpus", ",".join(map(str, ctx.cpus))] if ctx.workers > 1 and ctx.cpus else [])],
         ready=("file", ready), env=env)
     return [ctl, worker]

@@ -124,6 +124,11 @@ def _proc_cpu_s(pids) -> float:
     """User + system CPU seconds of processes/threads ``pids`` and all their descendants, from the
     kernel's own accounting (the scheduler's run time, /proc/<pid>/task/*/schedstat). A DPU's share: its control plane and
     worker processes and, in XDP mode, the threaded-NAPI kernel threads that run its XDP merge."""
+    return sum(_proc_cpu_by_name(pids).values())
+
+
+def _proc_cpu_by_name(pids) -> dict[str, float]:
+    """``_proc_cpu_s`` by thread name (/proc/<pid>/task/<tid>/comm): where a DPU's CPU goes."""
     pids = {int(p) for p in pids}
     if not pids:
         return 0.0
@@ -144,7 +149,7 @@ def _proc_cpu_s(pids) -> float:
         todo += [c for c, pp in parent.items() if pp == p]
     # the scheduler's run time of every thread (ns; utime + stime in /proc/<pid>/stat would say the
     # same in 10 ms ticks, too coarse for a round)
-    tot = 0
+    out: dict[str, float] = {}
     for p in seen:
         try:
             tasks = os.listdir(f"/proc/{p}/task")
@@ -153,10 +158,14 @@ def _proc_cpu_s(pids) -> float:
         for t in tasks:
             try:
                 with open(f"/proc/{p}/task/{t}/schedstat") as f:
-                    tot += int(f.read().split()[0])
+                    ns = int(f.read().split()[0])
+                with open(f"/proc/{p}/task/{t}/comm") as f:
+                    name = f.read().strip()
             except (OSError, ValueError, IndexError):
-                pass
-    return tot / 1e9
+                continue
+            key = "napi" if name.startswith("napi/") else name
+            out[key] = out.get(key, 0.0) + ns / 1e9
+    return out
 
 
 def _dpu_pids() -> list[int]:
@@ -408,6 +417,7 @@ def host_main(argv=None) -> int:
                     sc0 = (c.ep.send_calls, c.ep.send_datagrams, c.ep.recv_calls,
                            c.ep.recv_datagrams, c.ep.sent_packets, c.ep.recv_packets)
                     dpu0 = _proc_cpu_s(_dpu_pids()) if rank == 0 else None
+                    dpu_by0 = _proc_cpu_by_name(_dpu_pids()) if rank == 0 else None
                 s0, r0, x0 = c.ep.sent_bytes, c.ep.recv_bytes, c.retransmissions
                 _barrier(marks, f"start{r}", rank, workers)
                 t0, c0, o0 = time.perf_counter(), time.process_time(), os.times()
@@ -426,6 +436,9 @@ def host_main(argv=None) -> int:
                     rec["retx_per_round"].append(c.retransmissions - x0)
             if dpu0 is not None:
                 rec["dpu_cpu_s"] = (_proc_cpu_s(_dpu_pids()) - dpu0) / max(1, a.rounds)
+                by1 = _proc_cpu_by_name(_dpu_pids())
+                rec["dpu_cpu_s_by_thread"] = {k: (v - dpu_by0.get(k, 0.0)) / max(1, a.rounds)
+                                              for k, v in by1.items() if v - dpu_by0.get(k, 0.0) > 1e-4}
             rec["phases_cpu_s"] = {k: v / max(1, a.rounds) for k, v in c.phase_cpu.items()}
             sc1 = (c.ep.send_calls, c.ep.send_datagrams, c.ep.recv_calls, c.ep.recv_datagrams,
                    c.ep.sent_packets, c.ep.recv_packets)
@@ -596,6 +609,7 @@ def _run_path(path: str, args, out_dir: Path, workdir: Path | None = None) -> di
         "dpu_napi_threads_pinned": len(napi),
         "host_cpu_s_per_round": [float(statistics.median(r["cpu_s"])) for r in ranks],
         "dpu_cpu_s_per_round": [ranks[0]["dpu_cpu_s"]] if "dpu_cpu_s" in ranks[0] else None,
+        "dpu_cpu_s_per_round_by_thread": ranks[0].get("dpu_cpu_s_by_thread"),
         "dpu_cpu_note": "user+sys of the DPU's ctl and worker processes and (XDP) its threaded-NAPI "
                         "threads over the timed transport rounds, per round",
         "phases_cpu_s_per_round_transport": _mean_phases([r.get("phases_cpu_s", {}) for r in ranks]),

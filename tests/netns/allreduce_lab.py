@@ -133,14 +133,15 @@ class Lab:
         self._wait_bound(self.dpu_ns[d], CONTROL_PORT, p, proto="t", timeout=60)
         return p
 
-    def start_dpu_control(self, d: int, mode: str = "xdp", control_dpu: int | None = None):
+    def start_dpu_control(self, d: int, mode: str = "xdp", control_dpu: int | None = None, extra=()):
         """The DPU worker, learning its jobs from the control plane of DPU ``control_dpu`` (default:
-        its own; in userspace mode only the one the hosts join through knows the job)."""
+        its own; in userspace mode only the one the hosts join through knows the job); ``extra``:
+        more ``dosa dpu run`` arguments (e.g. --workers 2)."""
         a = self.dpu_addr[d]
         c = self.dpu_addr[d if control_dpu is None else control_dpu]
         argv = [*_in_ns(self.dpu_ns[d]), sys.executable, "-m", "dosa", "dpu", "run",
                 "--mode", mode, "--instance", self.pin_dirs[d], "--addr", a, "--port", str(PORT),
-                "--control", f"{c}:{CONTROL_PORT}", "-v"]
+                "--control", f"{c}:{CONTROL_PORT}", "-v", *extra]
         log = open(self.tmp / f"dpu{d}.log", "a")
         p = subprocess.Popen(argv, cwd=ROOT, env=self._env(), stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
