@@ -71,7 +71,7 @@ class Cluster:
     #: how much slower a DPU core runs the DPU's per-unit work than the core the costs were
     #: measured on (1 on the testbed, whose DPU is this machine)
     dpu_slowdown: float = 1.0
-    #: cores running the completion path (today's software: one worker process a DPU)
+    #: cores running the completion path (``dosa dpu run --workers N`` shards it over N)
     dpu_workers: int = 1
     #: None: every rank has its own core; an int: every host's work shares that many cores (the
     #: testbed's cpu split)
