@@ -5,7 +5,8 @@ and a DPU core.
   alone on synthetic data, median of a few runs, thread CPU time (steadier than wall time on a
   shared machine): the fused encoder pass (``r += g``, select, quantize) per gradient entry;
   packetize per sent entry; the result intake (decode, then write the dense output and clear the
-  previous round's entries) per result entry; a float add (the ring's reduction); the allgather's
+  previous round's entries) per result entry; gtopk's fold-back (what was sent and did not come
+  back, found and added to the residual) per sent entry; a float add (the ring's reduction); the allgather's
   local sum as its baseline makes it (the last round's entries cleared, each host's rows added);
   a byte of Gloo's ring allreduce and allgather (two ranks on loopback: TCP, Gloo's copies, the
   additions), and of loopback TCP alone, so that a path's TCP can replace it. The encoder's
@@ -66,6 +67,7 @@ class HostCosts:
     encode_ns_per_entry: float
     packetize_ns_per_entry: float
     intake_ns_per_result_entry: float
+    fold_back_ns_per_sent_entry: float  #: gtopk: finding what did not come back, adding it to the residual
     add_ns_per_entry: float
     scatter_add_ns_per_entry: float  #: one (int32 index, value) added into the dense output
     clear_ns_per_entry: float  #: one entry of the last round's output zeroed again
@@ -269,6 +271,13 @@ def measure_host(numel: int = 8_000_000, density: float = 0.01, mtu: int = wire.
         if i:
             times.append((time.thread_time_ns() - t0) / numel)
     encode = float(statistics.median(times))
+    # gtopk: what this host sent and the DPU did not return goes back into the residual
+    sent = encs[0].encode(grads[0], 20)
+    rng = np.random.default_rng(4)
+    keep = np.sort(rng.choice(len(sent), len(sent) // 3, replace=False))
+    res_idx = np.union1d(sent.indices[keep], rng.choice(numel, len(sent), replace=False).astype(np.uint32))
+    res_idx = res_idx.astype(np.uint32)
+    fold = _cpu_ns(lambda: encs[0].fold_back(*encs[0].unapplied(sent, res_idx), 20), len(sent), repeat)
     del encs, grads
     idx, vals = topk_fast(g, k, rng=np.random.default_rng(1))
     s = choose_scale_exp(float(np.abs(vals).max()), 4)
@@ -305,7 +314,7 @@ def measure_host(numel: int = 8_000_000, density: float = 0.01, mtu: int = wire.
     say("Gloo's ring allreduce and allgather, two ranks on loopback")
     ring_b, ag_b = measure_gloo()
     tcp_loop = _tcp_ns_per_byte()
-    return HostCosts(encode, pk, intake_ns, add, scatter_ns, clear, ring_b, ag_b, tcp_loop,
+    return HostCosts(encode, pk, intake_ns, fold, add, scatter_ns, clear, ring_b, ag_b, tcp_loop,
                      measured={"numel": numel, "density": density, "mtu": mtu, "repeat": repeat,
                                "how": "thread CPU time, median; loopback sockets; one core",
                                "when": time.strftime("%Y-%m-%d %H:%M:%S")})
