@@ -6,7 +6,8 @@ and a DPU core.
   shared machine): the fused encoder pass (``r += g``, select, quantize) per gradient entry;
   packetize per sent entry; the result intake (decode, then write the dense output and clear the
   previous round's entries) per result entry; gtopk's fold-back (what was sent and did not come
-  back, found and added to the residual) per sent entry; a float add (the ring's reduction); the allgather's
+  back, found and added to the residual) per sent entry; a round's fixed cost (a one-partition
+  round against a userspace DPU worker on loopback, CPU a round); a float add (the ring's reduction); the allgather's
   local sum as its baseline makes it (the last round's entries cleared, each host's rows added);
   a byte of Gloo's ring allreduce and allgather (two ranks on loopback: TCP, Gloo's copies, the
   additions), and of loopback TCP alone, so that a path's TCP can replace it. The encoder's
@@ -68,6 +69,9 @@ class HostCosts:
     packetize_ns_per_entry: float
     intake_ns_per_result_entry: float
     fold_back_ns_per_sent_entry: float  #: gtopk: finding what did not come back, adding it to the residual
+    #: a round's fixed host CPU, whatever its size: the call, the round's set-up and teardown, its
+    #: first and last packets (a one-partition round against a userspace DPU worker on loopback)
+    round_ns: float
     add_ns_per_entry: float
     scatter_add_ns_per_entry: float  #: one (int32 index, value) added into the dense output
     clear_ns_per_entry: float  #: one entry of the last round's output zeroed again
@@ -311,10 +315,12 @@ def measure_host(numel: int = 8_000_000, density: float = 0.01, mtu: int = wire.
             a[r] += vals
 
     scatter_ns = _cpu_ns(scatter, hosts * k, repeat)
+    say("a round's fixed cost (one partition, a userspace DPU worker on loopback)")
+    round_ns = measure_round_overhead()
     say("Gloo's ring allreduce and allgather, two ranks on loopback")
     ring_b, ag_b = measure_gloo()
     tcp_loop = _tcp_ns_per_byte()
-    return HostCosts(encode, pk, intake_ns, fold, add, scatter_ns, clear, ring_b, ag_b, tcp_loop,
+    return HostCosts(encode, pk, intake_ns, fold, round_ns, add, scatter_ns, clear, ring_b, ag_b, tcp_loop,
                      measured={"numel": numel, "density": density, "mtu": mtu, "repeat": repeat,
                                "how": "thread CPU time, median; loopback sockets; one core",
                                "when": time.strftime("%Y-%m-%d %H:%M:%S")})
@@ -375,3 +381,55 @@ def median_host(runs: list[HostCosts]) -> HostCosts:
     vals = {f: float(statistics.median(getattr(r, f) for r in runs)) for f in fields}
     return HostCosts(**vals, measured={**runs[0].measured, "runs": len(runs),
                                        "how": runs[0].measured.get("how", "") + "; median of the runs"})
+
+
+def measure_round_overhead(rounds: int = 40, partitions: int = 1) -> float:
+    """Median thread CPU ns of one dosa round that carries almost nothing (one partition of 1024
+    entries, 10 of them sent) against a userspace DPU worker on loopback: what a round costs a
+    host before its entries and packets do."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from dosa.job import JobConfig
+    from host_lib.client import AggregationClient
+
+    def port(kind=socket.SOCK_DGRAM) -> int:
+        with socket.socket(socket.AF_INET, kind) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    with tempfile.TemporaryDirectory(prefix="dosa-plan-round-") as tmp:
+        dport = port()
+        job = JobConfig(job_id=4242, numel=1024 * partitions, hosts=[("127.0.0.1", port())], dpus=[("127.0.0.1", dport)],
+                        partition_size=1024, scale_exp=20)
+        cfg, ready = Path(tmp) / "job.json", Path(tmp) / "dpu.ready"
+        cfg.write_text(json.dumps(job.to_dict()))
+        dpu = subprocess.Popen([sys.executable, "-m", "dosa", "dpu", "run", "--mode", "userspace", "--job-config",
+                                str(cfg), "--addr", "127.0.0.1", "--port", str(dport), "--pid-file", str(ready)],
+                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            end = time.monotonic() + 60
+            while not ready.exists():
+                if dpu.poll() is not None or time.monotonic() > end:
+                    raise DosaError("measuring a round's fixed cost: the userspace DPU worker did not start: "
+                                    + (dpu.stderr.read().decode(errors="replace").strip()[-300:] if dpu.poll() is not None else "timeout"))
+                time.sleep(0.05)
+            idx = (np.arange(0, 1000, 100, dtype=np.uint32)[None, :]
+                   + 1024 * np.arange(partitions, dtype=np.uint32)[:, None]).reshape(-1)
+            q = np.ones(len(idx), np.int32)
+            out = []
+            with AggregationClient(job, worker_id=0, timeout=10) as c:
+                for i in range(rounds + 3):
+                    t0 = time.thread_time_ns()
+                    c.allreduce_sparse(idx, q, 20)
+                    if i >= 3:
+                        out.append(time.thread_time_ns() - t0)
+            return float(statistics.median(out))
+        finally:
+            dpu.terminate()
+            try:
+                dpu.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                dpu.kill()
+                dpu.wait()

@@ -8,11 +8,12 @@ in prose. Times are seconds; a node's figures are per node (its ranks split the 
 interleaved slice each, docs/training.md) in partitions of ``partition_size``; the DPUs sum what
 N nodes sent and return the union U of their indices (sum mode) or the k largest sums of each
 partition (gtopk). A round is the encoder pass, then the network phase, whose stages are the
-host's network work (packetize, send, receive, take the results in; gtopk: fold back what did not
-come back), the node's link out and in, the DPU's link and the DPU's cores (merge per entry
-received, completion per result entry, settling per partition, a packet's kernel path). The stages overlap across partitions, but only
-``slots`` partitions of a DPU are in flight at once, so a round holds ``waves`` = partitions /
-in-flight windows: ``network = max(stage) + (sum(stages) - max(stage)) / waves`` (a full pipeline
+host's network work (a round's fixed cost; packetize, send, receive, take the results in; gtopk:
+fold back what did not come back), the node's link out and in, the DPU's link and the DPU's cores
+(merge per entry received, completion per result entry, settling per partition, a packet's kernel
+path). The stages overlap across partitions, but only ``slots`` partitions of a DPU are in flight at
+once, so a round holds ``waves`` = partitions / in-flight windows:
+``network = max(stage) + (sum(stages) - max(stage)) / waves`` (a full pipeline
 when the waves are many, the stages one after the other when there is one).
 
 **ring allreduce** (what DDP does without a hook; NCCL or Gloo's ring): each node sends and
@@ -177,7 +178,8 @@ def predict_dosa(cluster: Cluster, w: Workload, costs, mode: str = "sum") -> Pre
     fold = k * h.fold_back_ns_per_sent_entry if mode == "gtopk" else 0.0
     net = _host_share(cluster, (k * h.packetize_ns_per_entry + data_pk * x.udp_send_ns_per_packet
                                 + res_pk * x.udp_recv_ns_per_packet
-                                + res_entries * h.intake_ns_per_result_entry + fold) / L * 1e-9)
+                                + res_entries * h.intake_ns_per_result_entry + fold) / L * 1e-9
+                      + h.round_ns * 1e-9)  # each rank's round has its fixed cost
     intra = _intra_s(cluster, n)
     # the links: the node's, full duplex; the DPU's takes every node's data and sends each result
     # packet once (multicast: the fabric replicates it)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def _costs(**path) -> C.Costs:
     host = C.HostCosts(encode_ns_per_entry=1.0, packetize_ns_per_entry=4.0, intake_ns_per_result_entry=15.0,
-                       fold_back_ns_per_sent_entry=10.0, add_ns_per_entry=0.3, scatter_add_ns_per_entry=11.0, clear_ns_per_entry=7.0,
+                       fold_back_ns_per_sent_entry=10.0, round_ns=0.0, add_ns_per_entry=0.3, scatter_add_ns_per_entry=11.0, clear_ns_per_entry=7.0,
                        gloo_ring_ns_per_byte=0.6, gloo_allgather_ns_per_byte=1.4, tcp_loopback_ns_per_byte=0.3)
     p = dict(udp_send_ns_per_packet=700.0, udp_recv_ns_per_packet=200.0, tcp_ns_per_byte=0.5,
              dpu_rx_ns_per_packet=1000.0, dpu_tx_ns_per_copy=0.0)
