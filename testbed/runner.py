@@ -120,8 +120,8 @@ def _killpg(p: subprocess.Popen, sig: int) -> None:
 
 
 def torchrun_argv(argv: list[str], *, nnodes: int, rdzv_endpoint: str, rdzv_id: int,
-                  local_addr: str, is_host: bool) -> list[str]:
-    """One node's real ``torchrun`` agent (one worker process per node) joining a c10d rendezvous
+                  local_addr: str, is_host: bool, nproc_per_node: int = 1) -> list[str]:
+    """One node's real ``torchrun`` agent (``nproc_per_node`` worker processes) joining a c10d rendezvous
     at ``rdzv_endpoint`` (the first host's fabric address): what each machine of a cluster runs.
 
     A namespace shares the machine's hostname, so the agent is told its own fabric address

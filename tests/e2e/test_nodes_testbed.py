@@ -92,3 +92,25 @@ def test_two_nodes_of_two_ranks_train_the_cnn_like_dense_with_one_node_of_traffi
     assert link_flat > 1.8 * link_node, (link_flat, link_node)
     (tmp_path / "summary.json").write_text(json.dumps({"acc_node": acc_node, "acc_dense": acc_dense,
                                                        "link_node": link_node, "link_flat": link_flat}))
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_starts_one_agent_a_node_with_its_ranks_and_the_hook_goes_node_aware(tmp_path):
+    with scratch_testbed(hosts=2, dpus=1) as tb:
+        r = tb.run(["examples/ddp_dosa.py", "--steps", "6"], timeout=240, echo=False, torchrun=True,
+                   ranks_per_node=2, log_dir=tmp_path)
+        assert r.ok, r.summary()
+        assert len(r.ranks) == 2  # one torchrun agent a node
+        nodes = {n["name"]: n["address"] for n in tb.status()["nodes"]}
+        seen = {}
+        for agent in r.ranks:
+            for line in open(agent.stdout_path):
+                if line.startswith("{"):
+                    rec = json.loads(line)
+                    seen[rec["rank"]] = rec
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert all(rec["world_size"] == 4 and rec["replicas_identical"] for rec in seen.values())
+    # torchrun numbers a node's workers consecutively; both workers of a node share its address
+    assert {seen[0]["dosa_host_addr"], seen[1]["dosa_host_addr"]} == {nodes["h0"]}
+    assert {seen[2]["dosa_host_addr"], seen[3]["dosa_host_addr"]} == {nodes["h1"]}
+    assert all(rec["stats"]["dosa_rounds"] == 6 and rec["stats"]["bytes_sent"] > 0 for rec in seen.values())
