@@ -688,6 +688,10 @@ cdef class CompletionEngine:
         cdef int32_t[::1] rvv = rv_
         cdef Py_ssize_t m_all
         cdef uint64_t touched = load_acquire(&j.g.ps[slot].touched[par])
+        if not j.gtopk:
+            # sum mode: the result is the non-zero sums themselves (complete_one passes one pair
+            # of arrays too; the compacted path fills ri/rv, the others oi/ov)
+            ri_, rv_, riv, rvv = oi, ov, oiv, ovv
         m = self._entries(j, b, touched, lo, n, local, &oiv[0], &ovv[0], &riv[0], &rvv[0], &m_all)
         oi, ov = ri_, rv_
         oiv, ovv = riv, rvv

@@ -177,3 +177,20 @@ def test_state_in_files_survives_a_restart(tmp_path, dpu):
     d = dpu(state_dir=str(tmp_path), port=port)
     assert set(d.feed(contribution(d.pmap, 0, 0)[2])) == {"duplicate"}  # worker 0's, remembered
     assert set(d.feed(contribution(d.pmap, 2, 0)[2])) == {"merged"} and d.completions() == 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nnz", [400, 9000])
+def test_an_ask_is_answered_with_the_exact_sum_however_the_shadow_copy_is_kept(dpu, nnz):
+    """The answer to an ask is rebuilt from the shadow copy: compacted into the list area for a
+    sparse result, the sums with their sorted offsets for a denser one (more than the list area
+    holds compacted: 9000 non-zero sums of a 16384-entry partition). Both answers are the sum
+    the completion sent, in sum mode as in gtopk."""
+    d = dpu(numel=32768, psize=16384, workers=2)
+    exp = np.zeros(d.pmap.numel, np.int64)
+    for w in range(2):
+        idx, q, b = contribution(d.pmap, w, 0, nnz=nnz)
+        np.add.at(exp, idx.astype(np.int64), q)
+        assert set(d.feed(b)) == {"merged"}
+    for p in range(2):
+        assert np.array_equal(d.sums(p, 0), exp[p * 16384:(p + 1) * 16384])
