@@ -34,16 +34,18 @@ class Counter(enum.IntEnum):
     TOTAL_MISMATCH = 15
     IP_FRAGMENT = 16  # a fragmented IPv4 datagram to the dosa port (reassembly would bypass XDP)
     INTERNAL = 17  # a state lookup failed (pool bounds): a control-plane bug, never a sender's
+    WRONG_SHARD = 18  # userspace DPU of N shards: a packet of another shard's partition reached this
+    #                   one (the reuseport group steers a GSO datagram whole, by its first packet)
     # ---- verdicts that are not drops ------------------------------------------------------------------
-    MERGED = 18  # a SPARSE_DATA or DENSE_DATA packet added into its buffer (XDP_DROP after merging)
-    PASS_NOT_DOSA = 19  # not IPv4/UDP to a dosa port: XDP_PASS untouched
-    PASS_CONTROL = 20  # RETX_REQUEST / HEARTBEAT of a valid flow: XDP_PASS to the DPU worker
-    PASS_DUP_OF_COMPLETE = 21  # duplicate data of a complete round: XDP_PASS so the worker resends
+    MERGED = 19  # a SPARSE_DATA or DENSE_DATA packet added into its buffer (XDP_DROP after merging)
+    PASS_NOT_DOSA = 20  # not IPv4/UDP to a dosa port: XDP_PASS untouched
+    PASS_CONTROL = 21  # RETX_REQUEST / HEARTBEAT of a valid flow: XDP_PASS to the DPU worker
+    PASS_DUP_OF_COMPLETE = 22  # duplicate data of a complete round: XDP_PASS so the worker resends
     # ---- tallies (not verdicts) ---------------------------------------------------------------------
-    MERGED_ENTRIES = 22  # sparse entries and dense values added
-    COMPLETIONS = 23
-    COMPLETION_LOST = 24  # ring buffer full: the DPU worker must rescan (never expected)
-    SATURATED_SUMS = 25  # adds that hit +-(2^31 - 1): a host broke the clip bound (never expected)
+    MERGED_ENTRIES = 23  # sparse entries and dense values added
+    COMPLETIONS = 24
+    COMPLETION_LOST = 25  # ring buffer full: the DPU worker must rescan (never expected)
+    SATURATED_SUMS = 26  # adds that hit +-(2^31 - 1): a host broke the clip bound (never expected)
 
 
 NUM_COUNTERS = len(Counter)

@@ -53,6 +53,7 @@ cdef extern from "dosa_wire.h" nogil:
         DOSA_C_TOTAL_MISMATCH
         DOSA_C_IP_FRAGMENT
         DOSA_C_INTERNAL
+        DOSA_C_WRONG_SHARD
         DOSA_C_MERGED
         DOSA_C_PASS_NOT_DOSA
         DOSA_C_PASS_CONTROL

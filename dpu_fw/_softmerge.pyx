@@ -15,7 +15,11 @@ copied out for the worker's Python policy (``passed``).
 The state has the dataplane's layout (dataplane/dosa_state.h: the same buffers, slot and worker
 states), in this process's memory, so the completion path, the NACK scan and the answers are the
 same code in both modes. A process owns its partitions alone (one shard per partition % shards,
-steered by the socket group's reuseport program), so nothing here needs an atomic.
+steered by the socket group's reuseport program), so nothing here needs an atomic. The kernel
+steers a datagram by its first packet, and a GSO datagram that reaches the DPU unsegmented (veth and
+loopback hand them over whole) may carry packets of other shards' partitions: those are dropped and
+counted as ``wrong_shard`` (their hosts resend them; a DPU whose shards see many should have its
+senders' datagrams segmented before it, as a real NIC does).
 """
 import numpy as np
 
@@ -33,10 +37,10 @@ from ._state cimport (DOSA_BUF_SUMS, DOSA_C_BAD_SOURCE, DOSA_C_BAD_TYPE, DOSA_C_
                       DOSA_C_NOT_OWNER, DOSA_C_PASS_CONTROL,
                       DOSA_C_PASS_DUP_OF_COMPLETE, DOSA_C_ROUND_TOO_NEW, DOSA_C_ROUND_TOO_OLD,
                       DOSA_C_SATURATED_SUMS, DOSA_C_SCALE_MISMATCH, DOSA_C_SHORT_PACKET,
-                      DOSA_C_TOTAL_MISMATCH, DOSA_C_UNKNOWN_JOB, DOSA_C_UNKNOWN_WORKER,
+                      DOSA_C_TOTAL_MISMATCH, DOSA_C_UNKNOWN_JOB, DOSA_C_WRONG_SHARD, DOSA_C_UNKNOWN_WORKER,
                       DOSA_C_BAD_FIELD, DOSA_HDR_LEN, DOSA_NUM_COUNTERS, DOSA_SCALE_TAG_BIAS,
                       DOSA_T_DENSE_DATA, DOSA_T_DENSE_RESULT, DOSA_T_SPARSE_DATA,
-                      DOSA_T_SPARSE_RESULT, DOSA_T_STATUS, JobGeo, SUM_LIMIT, dosa_buf,
+                      DOSA_T_SPARSE_RESULT, DOSA_T_STATUS, DOSA_T_HEARTBEAT, JobGeo, SUM_LIMIT, dosa_buf,
                       dosa_check_header, dosa_hdr, dosa_ntohl, dosa_ntohs, dosa_pstate,
                       dosa_wstate, occupant)
 
@@ -81,8 +85,13 @@ cdef class SoftMerge:
     cdef uint16_t* pport
     cdef Py_ssize_t npassed
     cdef public int64_t ns_merge, merged_entries
+    cdef readonly int shard, shards
 
-    def __cinit__(self, CompletionEngine engine, fds, int64_t[::1] counters, int64_t[:, ::1] verdicts):
+    def __cinit__(self, CompletionEngine engine, fds, int64_t[::1] counters, int64_t[:, ::1] verdicts,
+                  int shard=0, int shards=1):
+        if not 0 <= shard < shards:
+            raise ValueError(f"shard {shard} of {shards}")
+        self.shard, self.shards = shard, shards
         if verdicts.shape[0] < MAX_JOBS + 1 or verdicts.shape[1] < DOSA_NUM_COUNTERS:
             raise ValueError("verdicts must hold every dosa counter for every job slot and one more")
         self.engine = engine
@@ -158,11 +167,13 @@ cdef class SoftMerge:
             return DOSA_C_UNKNOWN_WORKER
         if j.host_ip[w] != ip or j.host_port[w] != port:
             return DOSA_C_BAD_SOURCE
+        p = dosa_ntohs(h.partition)
+        if self.shards > 1 and h.type != DOSA_T_HEARTBEAT and p % self.shards != self.shard:
+            return DOSA_C_WRONG_SHARD  # another shard's partition: its state is not here
         if h.type != DOSA_T_SPARSE_DATA and h.type != DOSA_T_DENSE_DATA:
             self._pass(pk, n, ip, port)
             return DOSA_C_PASS_CONTROL
         # locate
-        p = dosa_ntohs(h.partition)
         if p >= j.g.num_partitions:
             return DOSA_C_BAD_FIELD
         if p % j.g.num_dpus != j.g.dpu_index:

@@ -73,6 +73,7 @@ class DpuWorker:
         self.shard, self.shards = shard, shards
         self.stats = collections.Counter()
         self.stats_file: str | None = None  # publish_stats() writes here (dpu run --stats-file)
+        self._steering_warned = False
         self._retired: dict[int, collections.Counter] = {}  # counters of jobs no longer served
         self._stop = threading.Event()
         self.discovery = Discovery(discover)
@@ -98,7 +99,8 @@ class DpuWorker:
             else:
                 from ._softmerge import SoftMerge
 
-                self.soft = SoftMerge(self.engine, self._sock_fds(), self.ep.counters, self.verdicts)
+                self.soft = SoftMerge(self.engine, self._sock_fds(), self.ep.counters, self.verdicts,
+                                      shard=shard, shards=shards)
             for j in jobs:
                 self.add_job(j)
         except BaseException:
@@ -120,8 +122,11 @@ class DpuWorker:
         else:
             sd = None if self.state_dir is None else f"{self.state_dir}/job{j.job_id}-dpu{di}"
             state = JobState.allocate(j, di, sd)
-        self.jobs[j.job_id] = JobRuntime(j, di, state, self.engine, shard=self.shard,
-                                         shards=self.shards, multicast=self.multicast)
+        # userspace: this shard's memory holds its partitions only (the merge drops the others'),
+        # so its NACK scan and repairs cover every slot of it; XDP: the slots are shared, sharded
+        sh = (self.shard, self.shards) if self.maps is not None else (0, 1)
+        self.jobs[j.job_id] = JobRuntime(j, di, state, self.engine, shard=sh[0], shards=sh[1],
+                                         multicast=self.multicast)
         log.info("DPU %d shard %d/%d serves job %d (%s mode, %d workers, %d partitions owned)", di,
                  self.shard, self.shards, j.job_id, self.mode, j.workers, len(self.jobs[j.job_id].owned))
 
@@ -180,8 +185,10 @@ class DpuWorker:
         next_publish = 0.0
         while not self._stop.is_set() and (end is None or time.monotonic() < end):
             self.step(0.05)
-            if self.stats_file and time.monotonic() >= next_publish:
-                self.publish_stats()
+            if time.monotonic() >= next_publish:
+                if self.stats_file:
+                    self.publish_stats()
+                self._check_steering()
                 next_publish = time.monotonic() + policy.STATS_EVERY
         if self.stats_file:
             self.publish_stats()
@@ -315,6 +322,20 @@ class DpuWorker:
                 if n:
                     c[VERDICT_NAMES[code]] += n
         return dict(c)
+
+    def _check_steering(self) -> None:
+        """Say once when packets of other shards' partitions reach this one (userspace shards):
+        its senders' GSO datagrams arrive unsegmented, and every such packet costs a resend."""
+        if self.soft is None or self._steering_warned:
+            return
+        wrong = int(self.verdicts[:, int(Counter.WRONG_SHARD)].sum())
+        if wrong:
+            self._steering_warned = True
+            log.warning("shard %d/%d: %d packet(s) of other shards' partitions reached it (counted as "
+                        "wrong_shard; their hosts resend them): the hosts' UDP GSO datagrams reach "
+                        "this DPU unsegmented (veth, loopback), so the kernel steers each by its first "
+                        "packet; segment them before the DPU (ethtool -K <dev> tx-udp-segmentation "
+                        "off on the port that feeds it) or use XDP mode", self.shard, self.shards, wrong)
 
     def publish_stats(self) -> None:
         """Write this shard's counters as JSON to ``stats_file`` (atomic rename), for the control

@@ -160,7 +160,11 @@ class Testbed:
             credentials.make_secret(self.cred_dir)
             if tls:
                 credentials.make_tls(self.cred_dir, {n.name: n.address for n in layout.dpu_nodes})
-            self._build(layout, shaping, shape_dpus, mtu)
+            # userspace shards share the DPU's port by a reuseport group that steers a datagram by
+            # its first packet: the hosts' GSO datagrams must reach the DPU as packets (a real NIC
+            # sends packets; a veth hands the datagram over whole)
+            self._build(layout, shaping, shape_dpus, mtu,
+                        segment_to_dpus=mode == DpuMode.USERSPACE and dpu_workers > 1)
             st["status"] = "up" if not services else "starting"
             state.save(self.state_path, st)
             if services and dpus:
@@ -182,11 +186,12 @@ class Testbed:
         return "" if self.prefix == config.DEFAULT_PREFIX else f" --prefix {self.prefix}"
 
     def _build(self, layout: Layout, shaping: Shaping, shape_dpus: bool,
-               mtu: int = config.DEFAULT_MTU) -> None:
+               mtu: int = config.DEFAULT_MTU, segment_to_dpus: bool = False) -> None:
         with Netlink() as nl:
-            self._build_links(nl, layout, shaping, shape_dpus, mtu)
+            self._build_links(nl, layout, shaping, shape_dpus, mtu, segment_to_dpus)
 
-    def _build_links(self, nl: Netlink, layout: Layout, shaping: Shaping, shape_dpus: bool, mtu: int) -> None:
+    def _build_links(self, nl: Netlink, layout: Layout, shaping: Shaping, shape_dpus: bool, mtu: int,
+                     segment_to_dpus: bool = False) -> None:
         fab = layout.fabric_ns
         nl.netns_add(fab)
         nl.link_set(fab, "lo", up=True)
@@ -216,6 +221,8 @@ class Testbed:
             nl.route_add(n.namespace, config.MULTICAST_NET, NODE_IFACE)
             if shaping.needs_bpf_object:  # impair/reorder per packet, not per GSO datagram
                 impair.segment_at_node(n.namespace, NODE_IFACE)
+            if n.role == "dpu" and segment_to_dpus:
+                impair.segment_at_node(fab, n.fabric_port)  # the bridge's port towards the DPU
             if n.role == "dpu":
                 # XDP_TX/REDIRECT out of the DPU's eth0 lands on this veth end, which must run NAPI
                 # to receive it: GRO on gives it NAPI (docs: PLATFORM.md)

@@ -38,8 +38,10 @@ def attach(namespace: str, dev: str, obj: Path) -> None:
 
 
 def segment_at_node(namespace: str, dev: str) -> None:
-    """Make node interface ``dev`` cut UDP GSO datagrams into their packets itself (software GSO,
-    ``tx-udp-segmentation off``), so that the link's impairment sees every packet.
+    """Make interface ``dev`` (a node's, or the bridge's port towards a node) cut UDP GSO
+    datagrams into their packets itself (software GSO, ``tx-udp-segmentation off``), so that the
+    link's impairment sees every packet, and a userspace DPU's sharded sockets receive packets
+    (the kernel steers a datagram by its first packet).
 
     A veth hands a GSO datagram (up to 64 packets, dosa.transport) to its peer whole when it
     can; the bridge port's tc programs would then drop, duplicate or delay all its packets at once.

@@ -131,7 +131,7 @@ def _proc_cpu_by_name(pids) -> dict[str, float]:
     """``_proc_cpu_s`` by thread name (/proc/<pid>/task/<tid>/comm): where a DPU's CPU goes."""
     pids = {int(p) for p in pids}
     if not pids:
-        return 0.0
+        return {}
     parent = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
