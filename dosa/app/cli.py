@@ -24,7 +24,7 @@ COMMANDS = {
     "testbed": "testbed.cli",
     "deploy": "testbed.cli",
     "dpu": "dpu_fw.cli",
-    "offload": "dpu_fw.offload_cli",
+    "offload": "dosa.app.offload_cli",
     "bench": "benchmarks.cli",
     "plan": "benchmarks.plan.cli",
     "demo": "dosa.app.demo_cli",

@@ -18,7 +18,7 @@ from dosa.errors import DosaError
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
 
-HEAVY = ["control.cli", "testbed.cli", "benchmarks.cli", "dpu_fw.offload_cli", "dataplane.libbpf",
+HEAVY = ["control.cli", "testbed.cli", "benchmarks.cli", "dosa.app.offload_cli", "dataplane.libbpf",
          "pyroute2", "torch", "bcc"]
 
 

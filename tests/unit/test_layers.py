@@ -26,15 +26,6 @@ LAYERS = {
 }
 TOP_PACKAGES = sorted({p.split(".")[0] for p in LAYERS})
 
-#: upward imports in code this issue's owner may not change (the DPU side, reworked on its own
-#: branch): each is named with where it goes. The test fails when one of them is gone too, so the
-#: list cannot outlive its reason.
-PENDING = {
-    ("dpu_fw.offload_cli", "examples.train_offload"):
-        "`dosa offload` is the application's registration: it moves to dosa/app/ with the DPU branch",
-}
-
-
 def layer_of(module: str) -> tuple[str, int]:
     """(the LAYERS key that decides, its layer) for ``module``."""
     keys = [k for k in LAYERS if module == k or module.startswith(k + ".")]
@@ -190,9 +181,7 @@ def test_every_top_level_package_has_a_layer():
 @pytest.mark.timeout(60)
 def test_no_module_imports_a_layer_above_its_own(graph):
     bad = layer_violations(edges_of(graph))
-    assert [describe(e) for e in bad if e not in PENDING] == []
-    assert sorted(e for e in bad if e in PENDING) == sorted(PENDING), \
-        "an upward import listed in PENDING is gone: take it off the list"
+    assert [describe(e) for e in bad] == []
 
 
 @pytest.mark.timeout(60)
