@@ -1,23 +1,19 @@
 # cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """The DPU worker's completion path, compiled: from a completion to the result packets on the wire.
 
-For each completed (job, partition, round) in one nogil loop: settle the slot's previous occupant
-(``base_gen`` first, then clear its sums at its touched list, its dedup state and counters: the
-slot is free for the next-but-one occupant), extract the completed buffer's non-zero sums,
-select gtopk's k, write the result packets into an arena, and every EMIT_CHUNK completions send the
-arena with UDP GSO to the job's multicast group or to each host (``dosa._net.send_core``). No
-Python and no numpy call per completion: Python keeps the policy (which jobs, their hosts, asks,
-the NACK scan, stats) and calls ``step`` for the data path.
+For each completed (job, partition, round) in one nogil loop: settle the slot's previous occupant,
+read the completed buffer's entries (gtopk's k of them), write the result packets into an arena,
+keep the buffer as its shadow copy (dpu_fw/_shadow.pyx: settle, entries, compact, rebuild), and
+every EMIT_CHUNK completions send the arena with UDP GSO to the job's multicast group or to each
+host (``dosa._net.send_core``). No Python and no numpy call per completion: Python keeps the policy
+(which jobs, their hosts, asks, the NACK scan, stats) and calls ``step`` for the data path.
 
 In XDP mode the completions come from this shard's ring buffer, read through its mmap
-(dataplane/ring.py has the layout) and consumed only after their results are sent, so a worker
+(dpu_fw/_ring.pxd) and consumed only after their results are sent, so a worker
 that dies mid-batch handles the same completions again when it restarts (the settle is
 idempotent, a result sent twice is a duplicate the hosts drop). The shard asks the XDP program for
 a wakeup (settings.asleep) only while it blocks: otherwise each completion would cost an IPI.
 In userspace mode dpu_fw/_softmerge.pyx calls ``complete_one`` for the completions its merge finds.
-
-The buffer stays untouched until the slot's next occupant completes: it is the shadow copy a
-retransmission is answered from (``result``).
 """
 import numpy as np
 
@@ -28,29 +24,22 @@ from libc.string cimport memset
 from dosa._net cimport (C_SEND_CALLS, C_SEND_DGRAMS, C_SENT_BYTES, C_SENT_PACKETS, N_COUNTERS, POLLIN,
                         now, poll, pollfd, send_core)
 
-from ._results cimport BITMAP_WORDS, Writer, extract, packets_for, top_k, write_results
-from ._state cimport (DOSA_BUF_SUMS, DOSA_F_GTOPK, DOSA_LIST_WORDS, DOSA_MAX_SHARDS,
-                      DOSA_SCALE_TAG_BIAS, DOSA_TOUCHED_COMPACT, DOSA_TOUCHED_SORTED,
-                      DOSA_TOUCHED_WRITING,
-                      DOSA_TOUCHED_ZEROED, JobGeo, dosa_buf,
-                      dosa_completion, dosa_pstate, dosa_settings, dosa_wstate, occupant)
+from ._jobrt cimport (MAX_JOBS, N_STATS, S_COMPLETION_UNKNOWN, S_COMPLETIONS, S_PACKET_LIMIT,
+                      S_RESULT_ENTRIES, S_RESULT_PACKETS, S_SEND_ERRORS, JobRt)
+from ._results cimport BITMAP_WORDS, packets_for, write_results
+from ._ring cimport RingView, ring_commit, ring_empty, ring_read
+from ._shadow cimport compact, entries, needs_scan, rebuild, settle
+from ._state cimport (DOSA_BUF_SUMS, DOSA_F_GTOPK, DOSA_MAX_SHARDS, dosa_buf, dosa_completion, dosa_pstate,
+                      dosa_settings, dosa_wstate, occupant)
 
 from dosa import wire as _wire
 
 cdef extern from *:
-    void __builtin_prefetch(const void*, int) nogil
-
-cdef extern from *:
     """
     #define load_acquire(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
-    #define store_release(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
-    #define store_seq_cst(p, v) __atomic_store_n((p), (v), __ATOMIC_SEQ_CST)
     #define full_fence() __atomic_thread_fence(__ATOMIC_SEQ_CST)
     """
     uint64_t load_acquire(const uint64_t* p) nogil
-    uint32_t load_acquire32 "load_acquire"(const uint32_t* p) nogil
-    void store_release(uint64_t* p, uint64_t v) nogil
-    void store_seq_cst(uint64_t* p, uint64_t v) nogil
     void full_fence() nogil
 
 #: the clocks an engine's time counters can run on (``engine.clock``)
@@ -58,7 +47,7 @@ CLOCK_WALL = CLOCK_MONOTONIC
 CLOCK_THREAD_CPU = CLOCK_THREAD_CPUTIME_ID
 #: jobs one engine serves at most
 ENGINE_MAX_JOBS = MAX_JOBS
-#: the names of a job's engine counters (the S_* slots of _completion.pxd), in order
+#: the names of a job's engine counters (the S_* slots of _jobrt.pxd), in order
 ENGINE_STATS = ("completions", "result_packets", "result_entries", "completion_unknown",
                 "settled", "send_errors", "packet_limit")
 assert len(ENGINE_STATS) == N_STATS
@@ -67,15 +56,7 @@ cdef enum:
     EMIT_CHUNK = 32       # completions whose results are sent together: they reach the hosts
                           # while the next ones are built
     RING_BATCH = 1024     # completion records read from the ring per pass
-    BUSY_BIT = 1u << 31
-    DISCARD_BIT = 1u << 30
-    REC_HEADER = 8
     SCRATCH = 65536       # one partition's entries at most (DOSA_BUF_SUMS)
-    SETTLE_PREFETCH = 16  # listed sums the settle prefetches ahead
-    COMPACT_MAX = DOSA_LIST_WORDS * 8 // 6  # result entries the list area holds compacted
-    SORTED_MAX = DOSA_LIST_WORDS * 4        # non-zero offsets it holds sorted
-
-cdef uint64_t COUNT_MASK = 0xFFFFFFFF
 
 cdef Py_ssize_t ARENA_STRIDE = _wire.stride_for_mtu(_wire.MAX_MTU)
 
@@ -145,11 +126,11 @@ cdef class CompletionEngine:
             raise ValueError("ring size is not a power of two")
         self._ring_ref = ring
         self.ring_fd = ring.fd
-        self.cons = <uint64_t*><size_t>cons
-        self.prod = <const uint64_t*><size_t>prod
-        self.data = <const uint8_t*><size_t>data
-        self.mask = size - 1
-        self.next_cons = load_acquire(self.cons)
+        self.ring.cons = <uint64_t*><size_t>cons
+        self.ring.prod = <const uint64_t*><size_t>prod
+        self.ring.data = <const uint8_t*><size_t>data
+        self.ring.mask = size - 1
+        self.ring.next_cons = load_acquire(self.ring.cons)
         self.shard = shard
         if settings is not None:
             self._settings_ref = settings
@@ -248,26 +229,9 @@ cdef class CompletionEngine:
         return {name: int(self.jobs[i].stats[s]) for s, name in enumerate(ENGINE_STATS)}
 
     def needs_scan(self, int job_id, int shard=0, int shards=1) -> bool:
-        """Whether a slot of this shard holds an occupant some but not all workers delivered, or
-        a complete one not handled: the only states the NACK scan acts on (a cheap check, so an
-        idle worker does not run the scan in Python every few milliseconds)."""
+        """Whether a slot of this shard is in a state the NACK scan acts on (_shadow.needs_scan)."""
         cdef int ji = self._find(job_id)
-        cdef JobRt* j
-        cdef uint32_t s, W
-        cdef uint64_t d0, d1
-        if ji < 0:
-            return False
-        j = &self.jobs[ji]
-        W = j.g.workers
-        s = <uint32_t>shard
-        while s < j.g.slots:
-            d0 = j.g.ps[s].workers_done[0]
-            d1 = j.g.ps[s].workers_done[1]
-            if (0 < d0 < W) or (0 < d1 < W) or \
-                    j.g.ps[s].workers_done[(j.g.ps[s].base_gen + 1) & 1] >= W:
-                return True
-            s += <uint32_t>shards
-        return False
+        return ji >= 0 and needs_scan(&self.jobs[ji], <uint32_t>shard, <uint32_t>shards)
 
     def take_unknown(self):
         """Completions of jobs this engine does not serve (yet), as (job_id, partition, round,
@@ -284,50 +248,6 @@ cdef class CompletionEngine:
             if self.jobs[i].used and self.jobs[i].g.job_id == job_id:
                 return i
         return -1
-
-    cdef void _settle(self, JobRt* j, uint32_t slot, uint64_t gen) noexcept nogil:
-        """Occupant ``gen`` of ``slot`` completed: when it is the one after the slot's base, every
-        host holds the base's result (a host sends a slot's next occupant only then), so clear the
-        base and make ``gen`` the base (dataplane.maps.DataplaneMaps.advance does the same in
-        Python). base_gen is stored first, with a full barrier: from then on a late packet of the
-        old occupant is round_too_old in XDP and touches nothing cleared here."""
-        cdef dosa_pstate* ps = &j.g.ps[slot]
-        cdef uint64_t base = load_acquire(&ps.base_gen)
-        cdef uint32_t par, i, o
-        cdef uint64_t cnt
-        cdef dosa_buf* b
-        cdef const uint16_t* lst
-        if gen != base + 1:
-            return
-        par = base & 1
-        store_seq_cst(&ps.base_gen, gen)
-        b = &j.g.bufs[slot * 2 + par]
-        cnt = ps.touched[par]
-        if cnt & DOSA_TOUCHED_ZEROED:
-            pass  # zeroed when its result went out (_compact)
-        elif cnt & DOSA_TOUCHED_SORTED:
-            # exactly its non-zero sums, in ascending order (_compact): streams, no duplicates
-            lst = <const uint16_t*>b.list
-            for i in range(<uint32_t>(cnt & COUNT_MASK)):
-                b.sums[lst[i]] = 0
-        elif cnt & (DOSA_TOUCHED_COMPACT | DOSA_TOUCHED_WRITING) or not j.g.list_cap \
-                or cnt > j.g.list_cap:
-            memset(b.sums, 0, j.g.stride * sizeof(int32_t))  # no list to read: all of it
-        else:
-            # the sums are cold (the slot's later occupants ran since): prefetch for writing
-            # SETTLE_PREFETCH ahead so their misses overlap
-            lst = <const uint16_t*>b.list
-            for i in range(<uint32_t>cnt):
-                if i + SETTLE_PREFETCH < cnt:
-                    __builtin_prefetch(&b.sums[lst[i + SETTLE_PREFETCH]], 1)
-                o = lst[i]
-                if o < j.g.stride:
-                    b.sums[o] = 0
-        memset(&j.g.ws[(slot * 2 + par) * j.g.workers], 0, j.g.workers * sizeof(dosa_wstate))
-        ps.workers_done[par] = 0
-        ps.scale_tag[par] = 0
-        ps.touched[par] = 0
-        j.stats[S_SETTLED] += 1
 
     cdef bint _room(self, Py_ssize_t npk) noexcept nogil:
         cdef Py_ssize_t cap = self.cap
@@ -352,81 +272,6 @@ cdef class CompletionEngine:
         self.pkjob = pj
         self.cap = cap
         return True
-
-    cdef Py_ssize_t _entries(self, JobRt* j, dosa_buf* b, uint64_t touched, uint32_t lo, uint32_t n,
-                             uint32_t local, uint32_t* oi, int32_t* ov, uint32_t* ri, int32_t* rv,
-                             Py_ssize_t* m_all) noexcept nogil:
-        """The result entries of a completed buffer into ri/rv (ascending), returning how many;
-        its non-zero sums into oi/ov (``m_all`` of them; -1 when they are not known because the
-        buffer was compacted). ri/rv may be oi/ov in sum mode."""
-        cdef Py_ssize_t m, i, vo
-        cdef const uint16_t* co
-        cdef const int32_t* cv
-        if touched & DOSA_TOUCHED_COMPACT:
-            m = <Py_ssize_t>(touched & COUNT_MASK)
-            co = <const uint16_t*>b.list
-            vo = (2 * m + 3) & ~3
-            cv = <const int32_t*>((<const uint8_t*>b.list) + vo)
-            for i in range(m):
-                ri[i] = lo + co[i]
-                rv[i] = cv[i]
-            m_all[0] = -1
-            return m
-        if touched & DOSA_TOUCHED_SORTED:
-            m = <Py_ssize_t>(touched & COUNT_MASK)
-            co = <const uint16_t*>b.list
-            for i in range(m):
-                oi[i] = lo + co[i]
-                ov[i] = b.sums[co[i]]
-        else:
-            if touched & DOSA_TOUCHED_WRITING:
-                touched = <uint64_t>j.g.list_cap + 1  # the list was being overwritten: scan
-            m = extract(b.sums, n, <const uint16_t*>b.list, touched, j.g.list_cap, self.bits, lo, oi, ov)
-        m_all[0] = m
-        if not j.gtopk:
-            return m
-        if ri != oi:
-            for i in range(m):
-                ri[i] = oi[i]
-                rv[i] = ov[i]
-        return top_k(ri, rv, m, j.k[local], self.topk_scratch)
-
-    cdef void _compact(self, JobRt* j, dosa_buf* b, uint64_t* touched, uint32_t lo,
-                       const uint32_t* ri, const int32_t* rv, Py_ssize_t m,
-                       const uint32_t* oi, Py_ssize_t m_all) noexcept nogil:
-        """Once a result is built: when it fits, the result's entries, compacted (u16 offsets, then
-        s32 values 4-aligned), replace the touched list in the buffer's list area, and the
-        buffer's non-zero sums are zeroed while they are still in cache. The compacted result is
-        the shadow copy asks are answered from and a restarted worker rebuilds from; the slot's
-        settle then has nothing to clear but counters. A larger result (a dense partition) keeps
-        its sums as the shadow copy, and the list area gets the offsets of its non-zero sums,
-        sorted: answers read them without deduplicating a list, the settle clears exactly them.
-        Each step is flagged in ``touched`` before the next, so a worker that dies in between
-        leaves a state the next one reads right (WRITING: the list is no longer whole, scan the
-        sums; COMPACT: the result is in the list area; ZEROED: the sums are clear; SORTED: the
-        list area holds the sorted offsets)."""
-        cdef Py_ssize_t i, vo = (2 * m + 3) & ~3
-        cdef uint16_t* co = <uint16_t*>b.list
-        cdef int32_t* cv = <int32_t*>((<uint8_t*>b.list) + vo)
-        cdef uint64_t t = load_acquire(touched)
-        if t & (DOSA_TOUCHED_COMPACT | DOSA_TOUCHED_SORTED) or m_all < 0:
-            return
-        if m <= COMPACT_MAX:
-            store_release(touched, DOSA_TOUCHED_WRITING | t)
-            for i in range(m):
-                co[i] = <uint16_t>(ri[i] - lo)
-                cv[i] = rv[i]
-            store_release(touched, DOSA_TOUCHED_COMPACT | <uint64_t>m)
-            for i in range(m_all):
-                b.sums[oi[i] - lo] = 0
-            store_release(touched, DOSA_TOUCHED_COMPACT | DOSA_TOUCHED_ZEROED | <uint64_t>m)
-        elif m_all <= SORTED_MAX:
-            # too many to compact: the offsets of every non-zero sum, sorted, replace the list
-            # (the sums stay, the shadow copy; the settle then clears exactly them, in order)
-            store_release(touched, DOSA_TOUCHED_WRITING | t)
-            for i in range(m_all):
-                co[i] = <uint16_t>(oi[i] - lo)
-            store_release(touched, DOSA_TOUCHED_SORTED | <uint64_t>m_all)
 
     cdef void complete_one(self, uint32_t job_id, uint32_t partition, uint32_t rnd,
                            int8_t scale) noexcept nogil:
@@ -458,7 +303,7 @@ cdef class CompletionEngine:
         local = partition / j.g.num_dpus
         gen = occupant(&j.g, local, rnd, &slot)
         par = gen & 1
-        self._settle(j, slot, gen)
+        settle(j, slot, gen)
         t1 = _clock_ns(self.clock)
         self.ns_settle += t1 - t0
         b = &j.g.bufs[slot * 2 + par]
@@ -466,8 +311,8 @@ cdef class CompletionEngine:
         n = j.g.numel - lo if j.g.numel - lo < j.g.partition_size else j.g.partition_size
         ri = self.ri if j.gtopk else self.oi
         rv = self.rv if j.gtopk else self.ov
-        m = self._entries(j, b, load_acquire(&j.g.ps[slot].touched[par]), lo, n, local, self.oi,
-                          self.ov, ri, rv, &m_all)
+        m = entries(j, b, load_acquire(&j.g.ps[slot].touched[par]), lo, n, local, self.oi,
+                    self.ov, ri, rv, &m_all, self.bits, self.topk_scratch)
         span = <Py_ssize_t>(ri[m - 1] - ri[0]) + 1 if m else 0
         npk = packets_for(m, span, &j.w, &dense)
         if npk < 0 or not self._room(npk):
@@ -477,7 +322,7 @@ cdef class CompletionEngine:
         j.w.scale_exp = scale
         write_results(self.arena + self.used * self.stride, self.lengths + self.used, &j.w,
                       partition, lo, ri, rv, m, npk, dense)
-        self._compact(j, b, &j.g.ps[slot].touched[par], lo, ri, rv, m, self.oi, m_all)
+        compact(j, b, &j.g.ps[slot].touched[par], lo, ri, rv, m, self.oi, m_all)
         for i in range(npk):
             self.pkjob[self.used + i] = <int16_t>ji
         self.used += npk
@@ -571,31 +416,12 @@ cdef class CompletionEngine:
         self.ns_send += _clock_ns(self.clock) - t0
         return <int>total
 
-    cdef Py_ssize_t _read_ring(self, dosa_completion* out, Py_ssize_t limit) noexcept nogil:
-        """Committed records after the read position, up to ``limit``, into ``out`` (not yet
-        consumed: commit_ring does that once their results are sent)."""
-        cdef uint64_t pos = self.next_cons, prod = load_acquire(self.prod)
-        cdef Py_ssize_t n = 0
-        cdef const uint8_t* rec
-        cdef uint32_t length
-        while pos < prod and n < limit:
-            rec = self.data + (pos & self.mask)
-            length = load_acquire32(<const uint32_t*>rec)
-            if length & BUSY_BIT:
-                break  # reserved, not yet submitted: later records wait for it
-            if not (length & DISCARD_BIT) and (length & ~(BUSY_BIT | DISCARD_BIT)) >= sizeof(dosa_completion):
-                out[n] = (<const dosa_completion*>(rec + REC_HEADER))[0]
-                n += 1
-            pos += (REC_HEADER + (length & ~(BUSY_BIT | DISCARD_BIT)) + 7) & ~(<uint64_t>7)
-        self.next_cons = pos
-        return n
-
     cdef Py_ssize_t _drain(self) noexcept nogil:
         """Every record waiting in the ring: handled EMIT_CHUNK at a time, then consumed."""
         cdef dosa_completion recs[RING_BATCH]
         cdef Py_ssize_t n, i, total = 0
         while True:
-            n = self._read_ring(recs, RING_BATCH)
+            n = ring_read(&self.ring, recs, RING_BATCH)
             if n == 0:
                 break
             for i in range(n):
@@ -603,7 +429,7 @@ cdef class CompletionEngine:
                 if self.used and (i + 1) % EMIT_CHUNK == 0:
                     self.flush()
             self.flush()
-            store_release(self.cons, self.next_cons)
+            ring_commit(&self.ring)
             total += n
         return total
 
@@ -631,7 +457,7 @@ cdef class CompletionEngine:
                 if self.settings != NULL:
                     self.settings.asleep[self.shard] = 1
                     full_fence()
-                if load_acquire(self.prod) == self.next_cons:
+                if ring_empty(&self.ring):
                     for i in range(nfds):
                         fds[i].revents = 0
                     rc = poll(fds, nfds, ms)
@@ -652,65 +478,10 @@ cdef class CompletionEngine:
 
     # ------------------------------------------------------------------ answers (Python, rare)
     def result(self, int job_id, uint32_t local, uint32_t rnd):
-        """The result packets of (owned partition ``local``, ``rnd``) rebuilt from its buffer, as
-        (data (npk, stride) uint8, lengths int64), when it is its slot's base occupant and complete;
-        None otherwise (not complete, settled past, or its completion not handled yet). Read-only:
-        any shard may answer any slot; a settle racing with the read is caught by reading base_gen
-        again (it is stored before anything is cleared)."""
+        """The result packets of (owned partition ``local``, ``rnd``) rebuilt from its shadow copy
+        (dpu_fw/_shadow.pyx ``rebuild``), as (data (npk, stride) uint8, lengths int64); None when
+        it cannot be answered now."""
         cdef int ji = self._find(job_id)
-        cdef JobRt* j
-        cdef uint32_t slot = 0, par, lo, n, partition
-        cdef uint64_t gen, base
-        cdef Py_ssize_t m, span, npk
-        cdef bint dense
-        cdef dosa_buf* b
         if ji < 0:
             return None
-        j = &self.jobs[ji]
-        if local >= j.g.num_owned:
-            return None
-        gen = occupant(&j.g, local, rnd, &slot)
-        par = gen & 1
-        base = load_acquire(&j.g.ps[slot].base_gen)
-        if gen != base or j.g.ps[slot].workers_done[par] < j.g.workers:
-            return None
-        partition = local * j.g.num_dpus + j.g.dpu_index
-        b = &j.g.bufs[slot * 2 + par]
-        lo = partition * j.g.partition_size
-        n = j.g.numel - lo if j.g.numel - lo < j.g.partition_size else j.g.partition_size
-        oi = np.empty(max(n, 1), np.uint32)
-        ov = np.empty(max(n, 1), np.int32)
-        ri_ = np.empty(max(n, 1), np.uint32)
-        rv_ = np.empty(max(n, 1), np.int32)
-        cdef uint32_t[::1] oiv = oi
-        cdef int32_t[::1] ovv = ov
-        cdef uint32_t[::1] riv = ri_
-        cdef int32_t[::1] rvv = rv_
-        cdef Py_ssize_t m_all
-        cdef uint64_t touched = load_acquire(&j.g.ps[slot].touched[par])
-        if not j.gtopk:
-            # sum mode: the result is the non-zero sums themselves (complete_one passes one pair
-            # of arrays too; the compacted path fills ri/rv, the others oi/ov)
-            ri_, rv_, riv, rvv = oi, ov, oiv, ovv
-        m = self._entries(j, b, touched, lo, n, local, &oiv[0], &ovv[0], &riv[0], &rvv[0], &m_all)
-        oi, ov = ri_, rv_
-        oiv, ovv = riv, rvv
-        full_fence()
-        # the owning shard may have settled the slot or compacted the buffer meanwhile: a read
-        # across either is not trusted (the caller answers later)
-        if load_acquire(&j.g.ps[slot].base_gen) != base or \
-                load_acquire(&j.g.ps[slot].touched[par]) != touched:
-            return None
-        span = <Py_ssize_t>(oi[m - 1] - oi[0]) + 1 if m else 0
-        npk = packets_for(m, span, &j.w, &dense)
-        if npk < 0:
-            return None
-        data = np.zeros((npk, self.stride), np.uint8)
-        lengths = np.zeros(npk, np.int64)
-        cdef uint8_t[:, ::1] dv = data
-        cdef int64_t[::1] lv = lengths
-        cdef Writer w = j.w
-        w.rnd = rnd
-        w.scale_exp = <int>j.g.ps[slot].scale_tag[par] - DOSA_SCALE_TAG_BIAS if j.g.ps[slot].scale_tag[par] else 0
-        write_results(&dv[0, 0], &lv[0], &w, partition, lo, &oiv[0], &ovv[0], m, npk, dense)
-        return data, lengths
+        return rebuild(&self.jobs[ji], local, rnd, self.stride, self.bits, self.topk_scratch)

@@ -31,7 +31,8 @@ from dosa._net cimport (C_RECV_BYTES, C_RECV_CALLS, C_RECV_DGRAMS, C_RECV_PACKET
                         CTRL_SPACE, MSG_DONTWAIT, MSG_TRUNC, POLLIN, gro_prepare, gro_segment,
                         iovec, mmsghdr, poll, pollfd, recvmmsg, sockaddr_in)
 
-from ._completion cimport CompletionEngine, JobRt, MAX_JOBS
+from ._completion cimport CompletionEngine
+from ._jobrt cimport MAX_JOBS, JobRt
 from ._state cimport (DOSA_BUF_SUMS, DOSA_C_BAD_SOURCE, DOSA_C_BAD_TYPE, DOSA_C_DUPLICATE,
                       DOSA_C_INDEX_OUT_OF_PARTITION, DOSA_C_MERGED, DOSA_C_MERGED_ENTRIES,
                       DOSA_C_NOT_OWNER, DOSA_C_PASS_CONTROL,
