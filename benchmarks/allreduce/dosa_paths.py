@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from dosa.errors import DosaError
+from dosa.job import DpuMode, ResultMode
 
 from benchmarks.ranks import read_rank_results
 
@@ -97,7 +98,7 @@ def _check(mode: str, ridx, sums, ref_idx, ref_sum, job) -> bool:
     is the exact one, and per partition exactly min(k, non-zeros) of the largest |sum| came back."""
     ridx = np.asarray(ridx, np.int64)
     sums = np.asarray(sums, np.int64)
-    if mode == "sum":
+    if mode == ResultMode.SUM:
         return bool(np.array_equal(ridx, ref_idx) and np.array_equal(sums, ref_sum))
     if len(ridx) and (np.any(np.diff(ridx) <= 0)):
         return False
@@ -237,7 +238,7 @@ def _e2e_blocking(c, enc, g, scale, mode, out, touched, phases):
     # partition by partition as results come in (its CPU is in the absorb phase)
     ridx, sums = c.allreduce_sparse(idx, q, scale, dense_out=out, dense_clear=touched)
     th = time.thread_time()
-    if mode == "gtopk":
+    if mode == ResultMode.GTOPK:
         enc.fold_back(*enc.unapplied(type(e)(idx, q, scale), ridx), scale)
         th = _tick(phases, "fold back", th)
     return idx, q, ridx, sums, ridx
@@ -265,7 +266,7 @@ def _e2e_pipelined(c, enc, ch: _Chunks, g, scale, mode, out, touched, phases):
     th = time.thread_time()
     idx = np.concatenate([e.indices for e in sent])
     q = np.concatenate([e.values for e in sent])
-    if mode == "gtopk":
+    if mode == ResultMode.GTOPK:
         enc.fold_back(*enc.unapplied(EncodedRound(idx, q, scale), ridx), scale)
         th = _tick(phases, "fold back", th)
     return idx, q, ridx, sums, ridx
@@ -474,7 +475,7 @@ def _services(pool_buffers: int):
     def fn(ctx):
         out = []
         for spec in dpu_services(ctx):
-            if spec.name == "ctl" and ctx.mode == "xdp":
+            if spec.name == "ctl" and ctx.mode == DpuMode.XDP:
                 spec = ServiceSpec(spec.name, [*spec.argv, "--pool-buffers", str(pool_buffers)],
                                    spec.ready, spec.env)
             out.append(spec)
@@ -631,7 +632,7 @@ def run_bench(args) -> int:
             raise DosaError(f"unknown path {p!r}: use xdp and/or userspace")
     if args.hosts < 1 or args.dpus < 1 or args.rounds < 1 or args.warmup < 0:
         raise DosaError("--hosts, --dpus and --rounds must be at least 1, --warmup at least 0")
-    if args.mode == "gtopk" and args.dpus > 1:
+    if args.mode == ResultMode.GTOPK and args.dpus > 1:
         print("note: gtopk with several DPUs takes the density of DPUs > 0 from --gtopk-density "
               "of their workers (docs/dpu_worker.md)", file=sys.stderr)
     args.timeout = getattr(args, "timeout", None) or 900

@@ -32,6 +32,7 @@ import uuid
 import numpy as np
 
 from dosa import wire
+from dosa.job import ResultMode
 
 #: Bytes of headers on every dosa packet as tc sees it (Ethernet + IPv4 + UDP + dosa).
 PACKET_OVERHEAD = wire.ETH_HDR_LEN + wire.IPV4_HDR_LEN + wire.UDP_HDR_LEN + wire.HDR_LEN
@@ -79,10 +80,10 @@ def dosa_traffic(index_sets: list[np.ndarray], numel: int, *, dpus: int = 1,
         per_part_in += c
         pk, b = _packets_and_bytes(c)
         hosts.append({"packets_out": pk, "bytes_out": b, "part_counts": c})
-    if mode == "sum":
+    if mode == ResultMode.SUM:
         union = np.unique(np.concatenate([np.asarray(i, np.int64) for i in index_sets]))
         res_counts = np.bincount(union // partition_size, minlength=n_parts)
-    elif mode == "gtopk":
+    elif mode == ResultMode.GTOPK:
         if density is None:
             raise ValueError("gtopk mode needs the density")
         lengths = np.full(n_parts, partition_size, np.int64)

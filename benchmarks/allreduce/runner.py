@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from dosa.errors import DosaError
+from dosa.job import ResultMode
 from dosa.progress import progress as progress_bar
 from benchmarks.allreduce import baselines as B
 from benchmarks.allreduce import gradients as G
@@ -274,7 +275,7 @@ def dpu_fw_methods(args):
             m = dosa_bench._run_path(p, a, out_dir, workdir)
             rs = m["round_s"]
             st = {"median_s": m["median_round_s"], "min_s": min(rs), "max_s": max(rs), "rounds_s": rs}
-            name = f"dosa_{p}" + ("_gtopk" if a.mode == "gtopk" else "")
+            name = f"dosa_{p}" + ("_gtopk" if a.mode == ResultMode.GTOPK else "")
             out[name] = {
                 **m, "transport": st, "median_s": st["median_s"],
                 "bytes_per_host": {"sent": int(statistics.median(m["bytes_sent_per_host"])),

@@ -43,6 +43,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from dosa import wire
+from dosa.job import ResultMode
 
 METHODS = ("dosa_sum", "dosa_gtopk", "ring_allreduce", "sparse_allgather")
 #: what can bound a round
@@ -170,12 +171,12 @@ def predict_dosa(cluster: Cluster, w: Workload, costs, mode: str = "sum") -> Pre
     P = P_job * L
     psize = min(w.partition_size, math.ceil(n / L))
     U = min(float(n), N * k * union_fraction(w, N))
-    res_entries = U if mode == "sum" else min(U, P * math.ceil(w.density * psize))
+    res_entries = U if mode == ResultMode.SUM else min(U, P * math.ceil(w.density * psize))
     data_pk, out_b = _packets_and_bytes(k / P, P, psize, cluster.mtu)
     res_pk, in_b = _packets_and_bytes(res_entries / P, P, psize, cluster.mtu)
     # the host: the encoder pass and the network work, split over the node's ranks
     enc = _host_share(cluster, _encode_s(cluster, h, n / L))
-    fold = k * h.fold_back_ns_per_sent_entry if mode == "gtopk" else 0.0
+    fold = k * h.fold_back_ns_per_sent_entry if mode == ResultMode.GTOPK else 0.0
     net = _host_share(cluster, (k * h.packetize_ns_per_entry + data_pk * x.udp_send_ns_per_packet
                                 + res_pk * x.udp_recv_ns_per_packet
                                 + res_entries * h.intake_ns_per_result_entry + fold) / L * 1e-9
@@ -255,7 +256,7 @@ def predict(method: str, cluster: Cluster, w: Workload, costs) -> Prediction:
     if method == "dosa_sum":
         return predict_dosa(cluster, w, costs, "sum")
     if method == "dosa_gtopk":
-        return predict_dosa(cluster, w, costs, "gtopk")
+        return predict_dosa(cluster, w, costs, ResultMode.GTOPK)
     if method == "ring_allreduce":
         return predict_ring(cluster, w, costs)
     if method == "sparse_allgather":
