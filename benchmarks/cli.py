@@ -91,7 +91,7 @@ def _bench_host(args: argparse.Namespace) -> int:
 
 def _register_dataplane(bench_sub) -> None:
     b = bench_sub.add_parser("dataplane", help="XDP merge rate on a veth under a batched sender, vs "
-                                               "np.add.at and the Cython scatter-add")
+                                               "np.add.at")
     b.add_argument("--json", metavar="FILE", help="write the results as JSON")
     b.add_argument("--workers", type=int, default=8)
     b.add_argument("--numel", type=int, default=1 << 22)
