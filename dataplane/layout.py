@@ -26,7 +26,7 @@ LIST_WORDS = LIST_CAP // 4
 MAX_SHARDS = 8
 #: the saturation bound of a sum (the DPU worker always saturated at it): +-(2^31 - 1)
 SUM_LIMIT = 2**31 - 1
-#: pstate.touched of a completed buffer, as the DPU worker marks it (dpu_fw/_completion.pyx): the
+#: pstate.touched of a completed buffer, as the DPU worker marks it (dpu_fw/_shadow.pyx): the
 #: list is being overwritten (WRITING), the list area holds the offsets of the buffer's non-zero
 #: sums sorted (SORTED, their count in the low 32 bits), or the result compacted (COMPACT, offsets
 #: then values, the count in the low 32 bits), its sums zeroed already (ZEROED). XDP never sees

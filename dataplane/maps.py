@@ -349,7 +349,7 @@ class DataplaneMaps:
         non-zero entry of the buffer being cleared, when the caller knows them (the DPU worker
         extracted them for that result): only those are zeroed. None zeroes the whole buffer.
         ``clear``: instead of ``nonzero``, a function ``clear(buf)`` that zeroes the non-zeros of
-        the cleared buffer (``buf``: its int64 view) itself, e.g. one compiled loop."""
+        the cleared buffer (``buf``: its int32 sums view) itself, e.g. one compiled loop."""
         j = job or self._job(job_id)
         i = self._ps_index(j, partition)
         g = j.gen(partition, completed_round)
