@@ -71,11 +71,7 @@ def wrong_shard(lab) -> list[int]:
 
 
 def shard_completions(lab, job_id: int) -> list[int]:
-    out = []
-    for i in range(2):
-        with open(f"{lab.stats}.shard{i}") as f:
-            out.append(json.load(f)["jobs"].get(str(job_id), {}).get("completions", 0))
-    return out
+    return [s["jobs"].get(str(job_id), {}).get("completions", 0) for s in shard_stats(lab)]
 
 
 def exact(res, rounds, lab):
