@@ -12,6 +12,7 @@ import argparse
 import gc
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -51,12 +52,17 @@ def main() -> None:
     flat = torch.cat([p.detach().float().reshape(-1) for p in ddp.parameters()])
     gathered = [torch.zeros_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
-    print(json.dumps({
+    record = json.dumps({
         "rank": rank, "world_size": world, "torchelastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
         "group_rank": os.environ.get("GROUP_RANK"), "master_addr": os.environ.get("MASTER_ADDR"),
         "dosa_host_addr": os.environ.get("DOSA_HOST_ADDR"), "first_loss": losses[0], "last_loss": losses[-1],
         "replicas_identical": all(torch.equal(flat, o) for o in gathered),
-        "stats": {k: v for k, v in state.stats.as_dict().items() if not isinstance(v, list)}}), flush=True)
+        "stats": {k: v for k, v in state.stats.as_dict().items() if not isinstance(v, list)}})
+    # one write of the whole line: a node's ranks share torchrun's stdout, and print() may write the
+    # text and its newline separately (unbuffered stdout), so two ranks' records could share a line;
+    # a pipe's write of up to PIPE_BUF (4096) bytes is never interleaved with another's
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (record + "\n").encode())
     # DDP's reducer holds the process group and the hook's state: drop it while the interpreter is
     # whole, so the group's Gloo threads are joined by destroy_process_group, not by a destructor
     # at interpreter exit (which aborted 1 run in 6: "terminate called without an active exception")
