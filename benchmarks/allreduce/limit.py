@@ -3,7 +3,8 @@
 Two bounds, both computed in the same run as the methods they judge:
 
 * **Link**: the bytes dosa must put on the busiest link, divided by the link rate. Per host: its
-  SPARSE_DATA packets out (every partition sends at least one packet, at most 180 entries a packet)
+  SPARSE_DATA packets out (every partition sends at least one packet, as many entries a packet as the
+  job's MTU holds: 240 at 1500, 573 at the testbed's 3500)
   and the result packets in (sum mode: the union of all hosts' indices per partition; gtopk mode:
   ceil(density * partition length) per partition). Each packet counts its entries plus the dosa,
   UDP, IPv4 and Ethernet headers (sizes from :mod:`dosa.wire`; preamble, FCS and inter-frame gap of
@@ -65,8 +66,11 @@ def _packets_and_bytes(counts: np.ndarray, mtu: int = wire.DEFAULT_MTU) -> tuple
 
 def dosa_traffic(index_sets: list[np.ndarray], numel: int, *, dpus: int = 1,
                  partition_size: int = wire.DEFAULT_PARTITION_SIZE, mode: str = "sum",
-                 density: float | None = None, multicast: bool = True) -> dict:
+                 density: float | None = None, multicast: bool = True, mtu: int = wire.DEFAULT_MTU) -> dict:
     """Packets and bytes every host and DPU sends and receives in one dosa round (see module doc).
+
+    ``mtu``: the job's MTU (on the testbed, its links'): it sets how many entries a packet carries,
+    so a model at another MTU than the run's counts other packets and headers.
 
     ``multicast``: results go to the job's multicast group, so a DPU sends each result packet once
     (the default of dosa's transport); False counts unicast fan-out (one copy per host)."""
@@ -78,7 +82,7 @@ def dosa_traffic(index_sets: list[np.ndarray], numel: int, *, dpus: int = 1,
     for idx in index_sets:
         c = np.bincount(np.asarray(idx, np.int64) // partition_size, minlength=n_parts)
         per_part_in += c
-        pk, b = _packets_and_bytes(c)
+        pk, b = _packets_and_bytes(c, mtu)
         hosts.append({"packets_out": pk, "bytes_out": b, "part_counts": c})
     if mode == ResultMode.SUM:
         union = np.unique(np.concatenate([np.asarray(i, np.int64) for i in index_sets]))
@@ -91,7 +95,7 @@ def dosa_traffic(index_sets: list[np.ndarray], numel: int, *, dpus: int = 1,
         res_counts = np.maximum(1, np.ceil(density * lengths).astype(np.int64))
     else:
         raise ValueError(f"mode must be 'sum' or 'gtopk', got {mode!r}")
-    res_pk, res_b = _packets_and_bytes(res_counts)
+    res_pk, res_b = _packets_and_bytes(res_counts, mtu)
     out_hosts = [{"packets_out": h["packets_out"], "bytes_out": h["bytes_out"],
                   "packets_in": res_pk, "bytes_in": res_b} for h in hosts]
     owner = np.arange(n_parts) % dpus
@@ -100,14 +104,14 @@ def dosa_traffic(index_sets: list[np.ndarray], numel: int, *, dpus: int = 1,
         mine = owner == d
         pk_in = b_in = 0
         for h in hosts:
-            p, b = _packets_and_bytes(h["part_counts"][mine])
+            p, b = _packets_and_bytes(h["part_counts"][mine], mtu)
             pk_in, b_in = pk_in + p, b_in + b
-        p, b = _packets_and_bytes(res_counts[mine])
+        p, b = _packets_and_bytes(res_counts[mine], mtu)
         copies = 1 if multicast else w
         out_dpus.append({"packets_in": pk_in, "bytes_in": b_in, "packets_out": copies * p,
                          "bytes_out": copies * b})
     return {"hosts": out_hosts, "dpus": out_dpus, "result_entries": int(res_counts.sum()),
-            "partitions": n_parts, "packet_overhead_bytes": PACKET_OVERHEAD}
+            "partitions": n_parts, "packet_overhead_bytes": PACKET_OVERHEAD, "mtu": mtu}
 
 
 def link_limit(traffic: dict, link_rate, *, shape_dpus: bool = False, packet_rate: float | None = None) -> dict:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dosa import wire
 from dosa.errors import DosaError
 from dosa.job import ResultMode
 from dosa.progress import progress as progress_bar
@@ -199,8 +200,11 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
             if "limit" in args.baselines:
                 idx = [np.load(wd / f"idx{r}.npy") for r in range(world)]
                 mode = getattr(args, "mode", None) or "sum"  # dpu_fw's --mode: the result dosa sends
+                # the job's MTU: the testbed's links' (dosa's jobs there take it), else --mtu
+                mtu = ((tb.status().get("config") or {}).get("mtu") if tb is not None else None) \
+                    or args.mtu or wire.DEFAULT_MTU
                 traffic = L.dosa_traffic(idx, args.numel, dpus=max(1, args.dpus), mode=mode,
-                                         density=args.density,
+                                         density=args.density, mtu=int(mtu),
                                          multicast=os.environ.get("DOSA_MULTICAST", "1") != "0")
                 traffic["mode"] = mode
                 methods["limit"] = L.link_limit(traffic, args.link_rate, shape_dpus=args.shape_dpus,

@@ -109,21 +109,22 @@ def test_real_model_gradients_are_correlated(tmp_path):
     np.testing.assert_array_equal(back[1], gr[1])
 
 
-def test_dosa_traffic_matches_the_packetizer():
+@pytest.mark.parametrize("mtu", [wire.DEFAULT_MTU, wire.MAX_MTU])
+def test_dosa_traffic_matches_the_packetizer(mtu):
     numel, psize = 300_000, 1 << 14
     gr = G.make_gradients(3, numel, 0.5, seed=4)
     sets = [G.topk_indices(g, 3000) for g in gr]
-    tr = L.dosa_traffic(sets, numel, dpus=2, partition_size=psize, multicast=False)
+    tr = L.dosa_traffic(sets, numel, dpus=2, partition_size=psize, multicast=False, mtu=mtu)
     pmap = wire.PartitionMap(numel, psize, 2)
     for h, idx in zip(tr["hosts"], sets):
         b = packetizer.packetize(idx.astype(np.uint32), np.ones(len(idx), np.int32), pmap,
-                                 job_id=1, worker_id=0, round=0, scale_exp=0)
+                                 job_id=1, worker_id=0, round=0, scale_exp=0, mtu=mtu)
         assert h["packets_out"] == len(b)
         wire_bytes = int(b.lengths.sum()) + len(b) * (wire.ETH_HDR_LEN + wire.IPV4_HDR_LEN + wire.UDP_HDR_LEN)
         assert h["bytes_out"] == wire_bytes
     union = np.unique(np.concatenate(sets))
     rb = packetizer.packetize_results(union.astype(np.uint32), np.ones(len(union), np.int32), pmap,
-                                      job_id=1, round=0, scale_exp=0)
+                                      job_id=1, round=0, scale_exp=0, mtu=mtu)
     assert tr["hosts"][0]["packets_in"] == len(rb)
     assert tr["result_entries"] == len(union)
     assert sum(d["packets_out"] for d in tr["dpus"]) == 3 * len(rb)  # unicast fan-out
@@ -132,7 +133,7 @@ def test_dosa_traffic_matches_the_packetizer():
     assert lim["link_s"] == pytest.approx(busiest * 8 / 1e9)
     assert lim["packets_s"] == pytest.approx(max(d["packets_out"] for d in tr["dpus"]) / 1e5)
     assert lim["median_s"] == max(lim["link_s"], lim["packets_s"])
-    mc = L.dosa_traffic(sets, numel, dpus=2, partition_size=psize)  # multicast: one copy per packet
+    mc = L.dosa_traffic(sets, numel, dpus=2, partition_size=psize, mtu=mtu)  # multicast: one copy a packet
     assert sum(d["packets_out"] for d in mc["dpus"]) == len(rb)
 
 
