@@ -80,6 +80,10 @@ class SlotDemand:
         return {"pool": 2, "pstate": 1, "wstate": 2 * self.workers}[pool]
 
 
+#: the ``dosa ctl attach`` option that sizes each pool (the maps are sized when the program loads)
+ATTACH_OPTION = {"pool": "--pool-buffers", "pstate": "--pstate-slots", "wstate": "--wstate-slots"}
+
+
 def _slots(n: int) -> str:
     return f"{n} slot" + ("" if n == 1 else "s")
 
@@ -114,7 +118,9 @@ def admit(demand: SlotDemand, used: dict[str, list[tuple[int, int, int]]],
             raise AdmissionError(
                 f"{head}, but the dataplane has only {capacity[name]} in all, so it can never fit: "
                 + (f"ask for at most {_slots(fit)} (the job's 'slots'), " if fit else "")
-                + "use a smaller partition_size, or attach the dataplane with a bigger pool", permanent=True)
+                # a buffer is the fixed dosa_buf whatever the partition size: only fewer slots or
+                # a bigger dataplane make room
+                + f"or attach the dataplane with more (dosa ctl attach {ATTACH_OPTION[name]} N)", permanent=True)
         holders = sorted({j for _, n, j in used[name] if n > 0})
         fit = largest // per
         raise AdmissionError(

@@ -49,6 +49,7 @@ def test_a_job_that_can_never_fit_is_refused_with_the_numbers():
     msg = str(e.value)
     assert "job 7 needs 20 aggregation slots" in msg and "40 pool buffers (11.2 MiB: 2 buffers a slot)" in msg
     assert "can never fit" in msg and "at most 16 slots" in msg
+    assert "partition_size" not in msg and "dosa ctl attach --pool-buffers N" in msg
 
 
 def test_a_job_that_fits_later_names_the_jobs_in_its_way():
