@@ -164,7 +164,7 @@ def _sender(duration: float, payload: int) -> dict:
     except OSError:
         pass
     n = 1024
-    data = np.zeros((n, wire.STRIDE), np.uint8)
+    data = np.zeros((n, wire.stride_for_mtu(wire.MAX_MTU)), np.uint8)  # room for any MTU's datagram
     lengths = np.full(n, payload, np.int64)
     rows = np.arange(n, dtype=np.int64)
     ip_be = np.full(n, np.frombuffer(socket.inet_aton(_ADDR_RX), np.uint32)[0], np.uint32)
@@ -191,7 +191,7 @@ def _receiver(duration: float) -> dict:
     s.bind((_ADDR_RX, _PORT))
     s.setblocking(False)
     n = 1024
-    data = np.zeros((n, wire.STRIDE), np.uint8)
+    data = np.zeros((n, wire.stride_for_mtu(wire.MAX_MTU)), np.uint8)  # room for any MTU's datagram
     lengths = np.zeros(n, np.int64)
     ip_be = np.zeros(n, np.uint32)
     port_be = np.zeros(n, np.uint16)
@@ -230,9 +230,10 @@ def _best_window(trace, window: float) -> float:
     return float(np.max((c[j[i]] - c[i]) / (t[j[i]] - t[i])))
 
 
-def measure_packet_rate(duration: float = 1.0, payload: int = wire.MAX_UDP_PAYLOAD) -> dict:
-    """Measure this machine's raw UDP packet rate: sendmmsg batches of 1024 ``payload``-byte
-    datagrams from one process for ``duration`` s through a veth pair to a recvmmsg receiver.
+def measure_packet_rate(duration: float = 1.0, mtu: int = wire.DEFAULT_MTU) -> dict:
+    """Measure this machine's raw UDP packet rate: sendmmsg batches of 1024 full-size datagrams
+    (``mtu``: the job's, so the packets are as large as dosa's) from one process for ``duration``
+    s through a veth pair of that MTU to a recvmmsg receiver.
 
     Needs root (two namespaces and a veth pair are created and always removed). Returns
     ``{"send_pps", "recv_pps" (means over the run), "pps", "gbit_s", ...}`` where ``pps`` is the best
@@ -241,6 +242,7 @@ def measure_packet_rate(duration: float = 1.0, payload: int = wire.MAX_UDP_PAYLO
     """
     if os.geteuid() != 0:
         raise PermissionError("measuring the packet rate needs root (network namespaces)")
+    payload = wire.max_udp_payload(mtu)
     tag = uuid.uuid4().hex[:6]
     a, b = f"dpr{tag}a", f"dpr{tag}b"
     va, vb = f"pr{tag}a", f"pr{tag}b"
@@ -256,8 +258,8 @@ def measure_packet_rate(duration: float = 1.0, payload: int = wire.MAX_UDP_PAYLO
         _ip("link", "add", va, "netns", a, "type", "veth", "peer", "name", vb, "netns", b)
         _ip("-n", a, "addr", "add", f"{_ADDR_TX}/30", "dev", va)
         _ip("-n", b, "addr", "add", f"{_ADDR_RX}/30", "dev", vb)
-        _ip("-n", a, "link", "set", va, "up")
-        _ip("-n", b, "link", "set", vb, "up")
+        _ip("-n", a, "link", "set", va, "mtu", str(mtu), "up")
+        _ip("-n", b, "link", "set", vb, "mtu", str(mtu), "up")
         me = [sys.executable, "-m", "benchmarks.allreduce.limit", "--duration", str(duration), "--payload", str(payload)]
         rx = subprocess.Popen(["ip", "netns", "exec", b, *me, "--role", "recv"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -281,7 +283,7 @@ def measure_packet_rate(duration: float = 1.0, payload: int = wire.MAX_UDP_PAYLO
                 "best_window_s": window,
                 "gbit_s": max(best, recv_pps) * (payload + wire.IPV4_HDR_LEN + wire.UDP_HDR_LEN
                                                  + wire.ETH_HDR_LEN) * 8 / 1e9,
-                "sent": snd["sent"], "received": rcv["received"], "payload_bytes": payload,
+                "sent": snd["sent"], "received": rcv["received"], "payload_bytes": payload, "mtu": mtu,
                 "duration_s": duration,
                 "how": "one sendmmsg sender (1024 a call) -> veth pair -> one recvmmsg receiver, own namespaces"}
     finally:

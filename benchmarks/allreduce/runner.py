@@ -25,6 +25,7 @@ from dosa import wire
 from dosa.errors import DosaError
 from dosa.job import ResultMode
 from dosa.progress import progress as progress_bar
+from testbed.config import DEFAULT_MTU as TESTBED_MTU
 from benchmarks.allreduce import baselines as B
 from benchmarks.allreduce import gradients as G
 from benchmarks.allreduce import limit as L
@@ -161,14 +162,17 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
     bar = progress_bar(max(1, blocks) * len(args.hosts), "dosa bench allreduce", unit="stage")
     if progress is None and bar.mode == "bar":
         say = bar.note  # lines above the bar instead of through it
+    # the job's MTU: --mtu, else the testbed's links' default (dosa's jobs there take it) or wire's
+    job_mtu = args.mtu or (TESTBED_MTU if args.testbed else wire.DEFAULT_MTU)
     for world in args.hosts:
         t0 = time.monotonic()
         pr = None
         if "limit" in args.baselines and args.packet_rate_seconds > 0 and os.geteuid() == 0:
             # measured again for every host count: on a shared machine the rate moves with the load
             say(f"measuring the raw UDP packet rate ({args.packet_rate_seconds:g} s, veth pair)...")
-            pr = L.measure_packet_rate(args.packet_rate_seconds)
-            say(f"  {pr['pps']:.0f} packets/s delivered ({pr['gbit_s']:.2f} Gbit/s of 1472-byte datagrams)")
+            pr = L.measure_packet_rate(args.packet_rate_seconds, mtu=job_mtu)
+            say(f"  {pr['pps']:.0f} packets/s delivered ({pr['gbit_s']:.2f} Gbit/s of "
+                f"{pr['payload_bytes']}-byte datagrams)")
             machine["packet_rate"].append({"hosts": world, **pr})
         say(f"== {world} hosts: generating gradients ({args.numel} entries, correlation {args.correlation})")
         grads = _gradients_for(args, world, loaded)
@@ -200,11 +204,8 @@ def run_bench(args, extra_methods=None, progress=None) -> dict:
             if "limit" in args.baselines:
                 idx = [np.load(wd / f"idx{r}.npy") for r in range(world)]
                 mode = getattr(args, "mode", None) or "sum"  # dpu_fw's --mode: the result dosa sends
-                # the job's MTU: the testbed's links' (dosa's jobs there take it), else --mtu
-                mtu = ((tb.status().get("config") or {}).get("mtu") if tb is not None else None) \
-                    or args.mtu or wire.DEFAULT_MTU
                 traffic = L.dosa_traffic(idx, args.numel, dpus=max(1, args.dpus), mode=mode,
-                                         density=args.density, mtu=int(mtu),
+                                         density=args.density, mtu=job_mtu,
                                          multicast=os.environ.get("DOSA_MULTICAST", "1") != "0")
                 traffic["mode"] = mode
                 methods["limit"] = L.link_limit(traffic, args.link_rate, shape_dpus=args.shape_dpus,

@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from dosa import wire
 from benchmarks.allreduce import baselines as B
 from benchmarks.allreduce import gradients as G
 from benchmarks.allreduce import limit as L
@@ -48,12 +49,14 @@ def test_bench_cli_loopback_schema_and_sums(tmp_path, capsys):
 
 @pytest.mark.root
 @pytest.mark.timeout(60)
-def test_packet_rate_over_own_veth_pair():
+@pytest.mark.parametrize("mtu", [wire.DEFAULT_MTU, wire.MAX_MTU])
+def test_packet_rate_over_own_veth_pair(mtu):
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
-    pr = L.measure_packet_rate(0.3)
+    pr = L.measure_packet_rate(0.3, mtu=mtu)
     after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     assert pr["sent"] > 1000 and 0 < pr["received"] <= pr["sent"]
     assert pr["pps"] > 0 and pr["gbit_s"] > 0
+    assert pr["payload_bytes"] == wire.max_udp_payload(mtu)  # full-size datagrams of the job's MTU
     assert not {n for n in after - before if n.startswith("dpr")}  # its namespaces are gone
 
 
