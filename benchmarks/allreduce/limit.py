@@ -55,7 +55,7 @@ def _parse_rate(rate) -> float | None:
         raise ValueError(f"link rate {rate!r} is not a rate like 1gbit, 100mbit or 1e9") from None
 
 
-def _packets_and_bytes(counts: np.ndarray, mtu: int = wire.DEFAULT_MTU) -> tuple[int, int]:
+def _packets_and_bytes(counts: np.ndarray, mtu: int) -> tuple[int, int]:
     """Packets and wire bytes of sparse packets carrying ``counts[p]`` entries for each partition p
     (wire.encoded_bytes; dense runs are not modelled: at top-k densities the packetizer picks none)."""
     counts = np.asarray(counts, np.int64)
